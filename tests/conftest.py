@@ -1,0 +1,67 @@
+"""Shared fixtures: the embedded tiny model and one real vLLM (CPU build) server per test session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tuner.presets import TINY_MODEL
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    return str(TINY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_server(tmp_path_factory):
+    """A real vLLM server (CPU build) of the tiny model; yields (base_url, served model name)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TINY_MODEL),
+            "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", "1024", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.1"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("vLLM did not become ready in 600 s")
+            time.sleep(0.5)
+        yield base_url, str(TINY_MODEL)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
