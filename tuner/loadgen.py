@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-# SKELETON (owner: loadgen helper). Interfaces below are the contract used by study.py.
+import aiohttp
+
+try:  # a vLLM dependency; typed decoding skips unknown fields and is several times faster than json
+    import msgspec
+except ImportError:  # pragma: no cover - exercised only without vLLM installed
+    msgspec = None
 
 
 @dataclass(frozen=True)
@@ -26,22 +38,29 @@ class Workload:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     slo_e2e_ms: float | None = None
+    seed: int = 0                        # prompts and Poisson arrivals
+    metrics_poll_s: float | None = 2.0   # how often /metrics is sampled during a phase (peaks); None = never
 
 
 @dataclass(frozen=True)
 class RequestResult:
-    """One request's outcome. Never an exception: failures are ok=False with a classified error."""
+    """One request's outcome. Never an exception: failures are ok=False with a classified error.
+
+    Failed requests keep what was measured before the failure (partial ttft/itl/latency).
+    latency_s ends at the last content chunk, so latency_s - ttft_s == sum(itl_s).
+    """
 
     ok: bool
     status: int | None = None         # HTTP status, None if no response
-    error_kind: str = ""              # "" | http_error | connection | timeout | bad_stream | ...
+    error_kind: str = ""              # "" | http_error | connection | disconnected | timeout | bad_stream
+    #                                   | server_error | truncated | no_usage | no_content | other
     error: str = ""                   # exception class and message, short
     prompt_tokens: int = 0            # from usage
     output_tokens: int = 0            # from usage
     start_s: float = 0.0              # request start, relative to the phase start
     ttft_s: float | None = None       # request start to first content
     itl_s: tuple[float, ...] = ()     # gaps between content chunks
-    latency_s: float = 0.0            # request start to end of stream
+    latency_s: float = 0.0            # request start to the last content chunk
 
 
 @dataclass(frozen=True)
@@ -52,9 +71,465 @@ class PhaseResult:
     requests: tuple[RequestResult, ...]
     server_metrics_before: tuple[tuple[str, float], ...] = ()   # selected /metrics samples
     server_metrics_after: tuple[tuple[str, float], ...] = ()
+    server_metrics_peak: tuple[tuple[str, float], ...] = ()     # highest value of each gauge while it ran
+    request_rate: float | None = None                            # open-loop rate, None for closed loop
+
+
+# /metrics samples kept per phase. Gauges are combined across label sets (engines) by max, counters by sum.
+SERVER_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_requests_running")
+SERVER_COUNTERS = (
+    "vllm:num_preemptions_total",
+    "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
+    "vllm:generation_tokens_total", "vllm:prompt_tokens_total",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+)
+_JSON = {"Content-Type": "application/json"}
+_TOKEN_PROBES = (262144, 200000, 151000, 128000, 100000, 64000, 50000, 32000, 16000, 8000, 4000, 2000, 1000)
+
+
+# ---------------------------------------------------------------- SSE parsing (the hot path)
+
+class _BadStream(Exception):
+    pass
+
+
+if msgspec is not None:
+    class _Delta(msgspec.Struct):
+        content: str | None = None
+
+    class _Choice(msgspec.Struct):
+        text: str | None = None
+        delta: _Delta | None = None
+
+    class _Usage(msgspec.Struct):
+        prompt_tokens: int | None = 0
+        completion_tokens: int | None = 0
+
+    class _Chunk(msgspec.Struct):
+        choices: list[_Choice] | None = None
+        usage: _Usage | None = None
+        error: Any = None
+        kind: str | None = msgspec.field(default=None, name="object")
+        message: str | None = None
+
+    _decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+    def _extract(payload: bytes, chat: bool):
+        """(content text or None, (prompt, completion) tokens or None, server error or None)."""
+        try:
+            c = _decode_chunk(payload)
+        except msgspec.DecodeError as e:
+            raise _BadStream(f"{type(e).__name__}: {e}; line {payload[:80]!r}") from None
+        text = None
+        if c.choices:
+            ch = c.choices[0]
+            if chat:
+                text = ch.delta.content if ch.delta is not None else None
+            else:
+                text = ch.text
+        usage = (c.usage.prompt_tokens or 0, c.usage.completion_tokens or 0) if c.usage is not None else None
+        err = None
+        if c.error is not None or c.kind == "error":
+            err = str(c.error if c.error is not None else c.message)[:200]
+        return text, usage, err
+else:  # pragma: no cover
+    def _extract(payload: bytes, chat: bool):
+        try:
+            c = json.loads(payload)
+            text = None
+            if c.get("choices"):
+                ch = c["choices"][0]
+                text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+            u = c.get("usage")
+            usage = (u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0) if u else None
+            err = c.get("error") or (c.get("message") if c.get("object") == "error" else None)
+        except (ValueError, AttributeError, TypeError, IndexError) as e:
+            raise _BadStream(f"{type(e).__name__}: {e}; line {payload[:80]!r}") from None
+        return text, usage, (str(err)[:200] if err else None)
+
+
+class SSEStream:
+    """Incremental parser of an OpenAI streaming response: content arrival times, usage, [DONE].
+
+    Every chunk of bytes read from the socket is stamped once with the time it arrived; each
+    `data:` event completed by that chunk that carries non-empty content records that time.
+    Only lines starting with `data:` are decoded; blank lines, comments and `event:` lines are skipped.
+    """
+
+    __slots__ = ("chat", "tail", "arrivals", "usage", "done", "server_error")
+
+    def __init__(self, chat: bool = False):
+        self.chat = chat
+        self.tail = b""
+        self.arrivals: list[float] = []
+        self.usage: tuple[int, int] | None = None
+        self.done = False
+        self.server_error: str | None = None
+
+    def feed(self, data: bytes, now: float) -> None:
+        if self.tail:
+            data = self.tail + data
+        lines = data.split(b"\n")
+        self.tail = lines.pop()
+        for line in lines:
+            if line[:5] != b"data:":
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                continue
+            text, usage, err = _extract(payload, self.chat)
+            if text:
+                self.arrivals.append(now)
+            if usage is not None:
+                self.usage = usage
+            if err is not None:
+                self.server_error = err
+
+    def finish(self, now: float) -> None:
+        """The connection ended: a last event without a trailing newline still counts."""
+        if self.tail.strip():
+            data, self.tail = self.tail + b"\n", b""
+            self.feed(data, now)
+
+
+def _short(e: BaseException, default: str = "") -> str:
+    msg = str(e) or default
+    return f"{type(e).__name__}: {msg}"[:300]
+
+
+async def stream_request(session: aiohttp.ClientSession, url: str, payload: bytes, *, chat: bool = False,
+                         timeout_s: float = 300.0, clock: Callable[[], float] = time.perf_counter,
+                         phase_start: float | None = None) -> RequestResult:
+    """POST one streaming request and time it; never raises (the caller's cancellation aside)."""
+    start = clock()
+    t0 = start if phase_start is None else phase_start
+    sse = SSEStream(chat)
+    status = None
+    kind = err = ""
+    try:
+        async with session.post(url, data=payload, headers=_JSON,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            status = resp.status
+            if status != 200:
+                body = (await resp.read())[:200].decode("utf-8", "replace")
+                kind, err = "http_error", f"HTTP {status}: {body}"
+            else:
+                content = resp.content
+                feed = sse.feed
+                while True:
+                    data = await content.readany()
+                    if not data:
+                        break
+                    feed(data, clock())
+                sse.finish(clock())
+    except TimeoutError as e:  # asyncio.TimeoutError and aiohttp's ServerTimeoutError
+        kind, err = "timeout", _short(e, f"no complete response in {timeout_s:g} s")
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, ConnectionResetError) as e:
+        kind, err = "disconnected", _short(e)
+    except (aiohttp.ClientError, OSError) as e:
+        kind, err = "connection", _short(e)
+    except _BadStream as e:
+        kind, err = "bad_stream", str(e)[:300]
+    except Exception as e:  # noqa: BLE001 - a request never raises; the class and message are kept
+        kind, err = "other", _short(e)
+    if not kind:
+        if sse.server_error is not None:
+            kind, err = "server_error", sse.server_error
+        elif not sse.done:
+            kind, err = "truncated", "stream ended without [DONE]"
+        elif sse.usage is None:
+            kind, err = "no_usage", "stream carried no usage chunk"
+        elif not sse.arrivals:
+            kind, err = "no_content", "stream carried no content"
+    arrivals = sse.arrivals
+    prompt_tokens, output_tokens = sse.usage or (0, 0)
+    if arrivals:
+        itl = tuple(b - a for a, b in zip(arrivals, arrivals[1:]))
+        ttft, latency = arrivals[0] - start, arrivals[-1] - start
+    else:
+        itl, ttft, latency = (), None, clock() - start
+    return RequestResult(ok=not kind, status=status, error_kind=kind, error=err,
+                         prompt_tokens=prompt_tokens, output_tokens=output_tokens, start_s=start - t0,
+                         ttft_s=ttft, itl_s=itl, latency_s=latency)
+
+
+# ---------------------------------------------------------------- server-side metrics
+
+def parse_prometheus(text: str) -> tuple[tuple[str, float], ...]:
+    """The SERVER_GAUGES (max over label sets) and SERVER_COUNTERS (sum) found in Prometheus text."""
+    gauges, counters = set(SERVER_GAUGES), set(SERVER_COUNTERS)
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        brace, space = line.find("{"), line.find(" ")
+        end = brace if 0 <= brace < space or (brace >= 0 and space < 0) else space
+        name = line[:end]
+        if name not in gauges and name not in counters:
+            continue
+        rest = line[line.rfind("}") + 1:] if brace >= 0 else line[end:]
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        if name in gauges:
+            found[name] = max(found.get(name, value), value)
+        else:
+            found[name] = found.get(name, 0.0) + value
+    return tuple(sorted(found.items()))
+
+
+async def fetch_server_metrics(session: aiohttp.ClientSession, base_url: str) -> tuple[tuple[str, float], ...]:
+    """Selected /metrics samples; () when the endpoint is missing or fails (it is a cross-check only)."""
+    try:
+        async with session.get(base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status != 200:
+                return ()
+            return parse_prometheus(await r.text())
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return ()
+
+
+# ---------------------------------------------------------------- prompts
+
+async def _post_json(session: aiohttp.ClientSession, url: str, body: dict) -> dict | None:
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=30)) as r:
+            if r.status != 200:
+                return None
+            return await r.json()
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        return None
+
+
+async def build_prompts(session: aiohttp.ClientSession, base_url: str, model: str, count: int,
+                        prompt_tokens: int, endpoint: str = "completions", seed: int = 0) -> list[str]:
+    """`count` distinct prompts of exactly `prompt_tokens` tokens as the server counts them.
+
+    Each prompt is random token ids detokenized by the server (distinct from its first tokens, so
+    prefix caching cannot flatter TTFT), then re-tokenized and trimmed or padded until the length is
+    exact; the special tokens (BOS) or the chat template's tokens are part of the count. Without
+    /tokenize the prompts are words `w<i>` (the embedded word-level tokenizer's scheme), unverified.
+    """
+    rng = random.Random(seed)
+    chat = endpoint == "chat"
+    tok_url, detok_url = base_url + "/tokenize", base_url + "/detokenize"
+    probe = "w100 w101"
+    plain = await _post_json(session, tok_url, {"model": model, "prompt": probe, "add_special_tokens": False})
+    if plain is None:
+        return [" ".join(f"w{rng.randrange(7, 4096)}" for _ in range(prompt_tokens)) for _ in range(count)]
+    if chat:
+        full = await _post_json(session, tok_url, {"model": model,
+                                                   "messages": [{"role": "user", "content": probe}]})
+    else:
+        full = await _post_json(session, tok_url, {"model": model, "prompt": probe})
+    overhead = (full or plain)["count"] - plain["count"]
+    target = max(prompt_tokens - overhead, 1)
+
+    hi = 0
+    for ids in _TOKEN_PROBES:  # the largest id the tokenizer decodes bounds the vocabulary
+        r = await _post_json(session, detok_url, {"model": model, "tokens": [ids - 1]})
+        if r is not None and r.get("prompt", "").strip():
+            hi = ids
+            break
+    lo = max(hi // 10, 10)
+    if hi <= lo:
+        raise RuntimeError(f"cannot find decodable token ids via {detok_url}")
+
+    async def one() -> str:
+        ids = [rng.randrange(lo, hi) for _ in range(target)]
+        text = ""
+        for _ in range(6):
+            r = await _post_json(session, detok_url, {"model": model, "tokens": ids})
+            if r is None:
+                break
+            text = r["prompt"]
+            t = await _post_json(session, tok_url, {"model": model, "prompt": text, "add_special_tokens": False})
+            if t is None:
+                break
+            got = t["tokens"]
+            if len(got) == target:
+                return text
+            ids = got[:target] if len(got) > target else got + [rng.randrange(lo, hi)
+                                                               for _ in range(target - len(got))]
+        return text  # best effort: the usage of each request records the real length
+
+    prompts: list[str] = []
+    for i in range(0, count, 16):  # a few at a time: the server is also tokenizing for others
+        prompts += await asyncio.gather(*(one() for _ in range(min(16, count - i))))
+    return prompts
+
+
+def request_payload(model: str, prompt: str, output_tokens: int, endpoint: str = "completions") -> bytes:
+    """The JSON body of one streaming request whose output length is fixed at `output_tokens`."""
+    body: dict = {"model": model, "max_tokens": output_tokens, "min_tokens": output_tokens,
+                  "ignore_eos": True, "temperature": 0.0, "stream": True,
+                  "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return json.dumps(body).encode()
+
+
+def endpoint_url(base_url: str, endpoint: str) -> str:
+    return base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
+
+
+def phase_concurrency(workload: Workload, max_num_seqs: int | None) -> int:
+    """Concurrency of the throughput phase: fixed if the workload says so, else max-num-seqs capped."""
+    if workload.concurrency is not None:
+        return max(1, workload.concurrency)
+    if max_num_seqs is None:
+        return max(1, workload.max_concurrency)
+    return max(1, min(max_num_seqs, workload.max_concurrency))
+
+
+# ---------------------------------------------------------------- progress
+
+class _Progress:
+    """One live line per phase on stderr: \\r-updated on a tty, a few plain lines otherwise."""
+
+    def __init__(self, name: str, total: int, enabled: bool):
+        self.name, self.total, self.enabled = name, total, enabled and total > 0
+        self.tty = self.enabled and sys.stderr.isatty()
+        self.done = self.tokens = 0
+        self.t0 = time.perf_counter()
+        self.last_write = 0.0
+        self.next_mark = 1
+
+    def add(self, r: RequestResult) -> None:
+        self.done += 1
+        self.tokens += r.output_tokens
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self.tty:
+            if now - self.last_write >= 0.2 or self.done == self.total:
+                self.last_write = now
+                sys.stderr.write("\r" + self._line(now))
+                sys.stderr.flush()
+        elif self.done >= self.total * self.next_mark / 4:
+            while self.done >= self.total * self.next_mark / 4:
+                self.next_mark += 1
+            sys.stderr.write(self._line(now) + "\n")
+            sys.stderr.flush()
+
+    def _line(self, now: float) -> str:
+        rate = self.tokens / max(now - self.t0, 1e-9)
+        return f"{self.name}: {self.done}/{self.total} requests, {rate:,.0f} tok/s"
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ---------------------------------------------------------------- phases
+
+async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, payloads: Sequence[bytes], *,
+                    concurrency: int, chat: bool = False, timeout_s: float = 300.0,
+                    request_rate: float | None = None, seed: int = 0, metrics_poll_s: float | None = 2.0,
+                    progress: bool = True, clock: Callable[[], float] = time.perf_counter,
+                    endpoint: str = "completions") -> PhaseResult:
+    """Send `payloads` closed-loop at `concurrency`, or open-loop Poisson at `request_rate` (in-flight
+    capped at `concurrency`), reading /metrics before, during (gauge peaks) and after."""
+    url = endpoint_url(base_url, endpoint)
+    before = await fetch_server_metrics(session, base_url)
+    peaks: dict[str, float] = {}
+    stop = asyncio.Event()
+
+    async def poll() -> None:
+        while not stop.is_set():
+            for k, v in await fetch_server_metrics(session, base_url):
+                if k in SERVER_GAUGES:
+                    peaks[k] = max(peaks.get(k, v), v)
+            try:
+                await asyncio.wait_for(stop.wait(), metrics_poll_s)
+            except TimeoutError:
+                pass
+
+    bar = _Progress(name, len(payloads), progress)
+    results: list[RequestResult | None] = [None] * len(payloads)
+    poller = asyncio.create_task(poll()) if metrics_poll_s and payloads else None
+    t0 = clock()
+
+    async def send(i: int) -> None:
+        r = await stream_request(session, url, payloads[i], chat=chat, timeout_s=timeout_s,
+                                 clock=clock, phase_start=t0)
+        results[i] = r
+        bar.add(r)
+
+    if request_rate is None:
+        it = iter(range(len(payloads)))
+
+        async def worker() -> None:
+            for i in it:  # a shared iterator: each worker takes the next request when it is free
+                await send(i)
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(payloads)))))
+    else:
+        rng = random.Random(seed)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def gated(i: int) -> None:
+            async with gate:
+                await send(i)
+
+        tasks, due = [], t0
+        for i in range(len(payloads)):
+            delay = due - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(gated(i)))
+            due += rng.expovariate(request_rate)
+        await asyncio.gather(*tasks)
+    wall = clock() - t0
+    bar.close()
+    if poller is not None:
+        stop.set()
+        await poller
+    after = await fetch_server_metrics(session, base_url)
+    return PhaseResult(name=name, concurrency=concurrency, wall_s=wall, requests=tuple(results),
+                       server_metrics_before=before, server_metrics_after=after,
+                       server_metrics_peak=tuple(sorted(peaks.items())), request_rate=request_rate)
+
+
+def new_session(concurrency: int) -> aiohttp.ClientSession:
+    """One client session with room for every stream plus the /metrics poller (call inside a loop)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 4),
+                                 timeout=aiohttp.ClientTimeout(total=None))
+
+
+async def run_load_test_async(base_url: str, model: str, workload: Workload, max_num_seqs: int | None,
+                              progress: bool = True) -> tuple[PhaseResult, ...]:
+    """Warm-up, single-stream and throughput phases; each phase gets its own session and prompts."""
+    base_url = base_url.rstrip("/")
+    c = phase_concurrency(workload, max_num_seqs)
+    chat = workload.endpoint == "chat"
+    w = workload
+    plan = (("warmup", w.warmup_requests, max(1, min(c, w.warmup_requests)), None),
+            ("single_stream", w.single_stream_requests, 1, None),
+            ("throughput", w.throughput_requests, c, w.request_rate))
+    phases = []
+    for k, (name, n, conc, rate) in enumerate(plan):
+        if n <= 0:
+            continue
+        async with new_session(conc) as session:
+            prompts = await build_prompts(session, base_url, model, n, w.prompt_tokens, w.endpoint,
+                                          seed=w.seed * 1000 + k)
+            payloads = [request_payload(model, p, w.output_tokens, w.endpoint) for p in prompts]
+            phases.append(await run_phase(session, base_url, name, payloads, concurrency=conc, chat=chat,
+                                          timeout_s=w.request_timeout_s, request_rate=rate, seed=w.seed,
+                                          metrics_poll_s=w.metrics_poll_s, progress=progress,
+                                          endpoint=w.endpoint))
+    return tuple(phases)
 
 
 def run_load_test(base_url: str, model: str, workload: Workload, max_num_seqs: int | None,
                   progress: bool = True) -> tuple[PhaseResult, ...]:
     """Warm-up, single-stream and throughput phases against a ready server (synchronous wrapper)."""
-    raise NotImplementedError
+    return asyncio.run(run_load_test_async(base_url, model, workload, max_num_seqs, progress))
