@@ -1,0 +1,132 @@
+"""Timing maths and objectives, pinned with scripted times and hand-built RequestResults."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuner.loadgen import PhaseResult, RequestResult, Workload
+from tuner.metrics import (LoadMetrics, decode_tok_s, failure_reason, iqr, meets_slos, percentile,
+                           summarize, timings_from_arrivals, tpot_s, window_rates)
+
+
+def req(ttft: float, itl: tuple[float, ...], out: int | None = None, start: float = 0.0,
+        ok: bool = True, kind: str = "") -> RequestResult:
+    """A request whose latency obeys the invariant latency - ttft == sum(itl)."""
+    return RequestResult(ok=ok, status=200 if ok else 500, error_kind=kind, error="X: y" if kind else "",
+                         prompt_tokens=10, output_tokens=len(itl) + 1 if out is None else out,
+                         start_s=start, ttft_s=ttft, itl_s=itl, latency_s=ttft + sum(itl))
+
+
+def test_timings_from_a_scripted_clock_keep_the_invariant():
+    # binary fractions, so the arithmetic is exact
+    start, arrivals = 10.0, [10.25, 10.5, 10.75, 11.5]
+    ttft, itl, latency = timings_from_arrivals(start, arrivals)
+    assert ttft == 0.25
+    assert itl == (0.25, 0.25, 0.75)
+    assert latency == 1.5
+    assert latency - ttft == sum(itl)
+    assert timings_from_arrivals(1.0, []) == (None, (), 0.0)
+    assert timings_from_arrivals(1.0, [1.5]) == (0.5, (), 0.5)
+
+
+def test_percentile_interpolates_like_numpy():
+    v = [15.0, 20.0, 35.0, 40.0, 50.0]
+    assert percentile(v, 50) == 35.0
+    assert percentile(v, 0) == 15.0 and percentile(v, 100) == 50.0
+    assert percentile(v, 40) == pytest.approx(29.0)        # numpy.percentile(v, 40)
+    assert percentile(v, 90) == pytest.approx(46.0)
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert percentile([], 50) is None
+    assert iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == 2.0
+    assert iqr([1.0]) is None
+
+
+def test_tpot_and_decode_rate():
+    r = req(0.5, (0.25, 0.25, 0.25, 0.25), out=5)
+    assert tpot_s(r) == 0.25
+    assert decode_tok_s(r) == 4.0
+    assert tpot_s(req(0.5, (), out=1)) is None
+    assert decode_tok_s(req(0.5, (), out=1)) is None
+    assert tpot_s(req(0.5, (0.25,), ok=False, kind="timeout")) is None
+
+
+def test_slos():
+    w = Workload(slo_ttft_ms=300, slo_tpot_ms=100, slo_e2e_ms=1000)
+    assert meets_slos(req(0.25, (0.0625,) * 4), w)
+    assert not meets_slos(req(0.5, (0.0625,) * 4), w)               # TTFT over
+    assert not meets_slos(req(0.25, (0.125,) * 4), w)               # TPOT over
+    assert not meets_slos(req(0.25, (0.09375,) * 9), w)             # e2e 1.09 s over
+    assert meets_slos(req(5.0, (1.0,)), Workload())                 # no SLO set: every success counts
+
+
+def test_window_rates_add_up_to_the_usage_total():
+    rs = [req(0.5, (0.5,) * 3, out=8, start=0.0), req(0.25, (0.25,) * 7, out=8, start=1.0)]
+    rates = window_rates(rs, wall_s=4.0, windows=4)
+    assert sum(rates) * 1.0 == pytest.approx(16.0)                  # each window is 1 s wide
+    assert rates[0] == pytest.approx(2.0)                           # one chunk worth 8 tokens / 4 chunks
+
+
+def phase(name, requests, wall, conc=1, before=(), after=(), peak=()):
+    return PhaseResult(name=name, concurrency=conc, wall_s=wall, requests=tuple(requests),
+                       server_metrics_before=tuple(before), server_metrics_after=tuple(after),
+                       server_metrics_peak=tuple(peak))
+
+
+def test_summarize_objectives_and_cross_checks():
+    w = Workload(slo_ttft_ms=150)
+    warm = phase("warmup", [req(9.0, (9.0,), ok=False, kind="timeout")], 20.0)   # excluded entirely
+    single = phase("single_stream", [req(0.125, (0.25,) * 4, out=5),           # 4 tok/s
+                                     req(0.125, (0.125,) * 4, out=5),          # 8 tok/s
+                                     req(0.125, (0.0625,) * 4, out=5)], 3.0)   # 16 tok/s
+    thr_reqs = [req(0.1 * (i + 1), (0.05,) * 9, out=10, start=0.1 * i) for i in range(10)]
+    before = [("vllm:num_preemptions_total", 2.0), ("vllm:kv_cache_usage_perc", 0.1),
+              ("vllm:time_to_first_token_seconds_sum", 1.0), ("vllm:time_to_first_token_seconds_count", 10.0),
+              ("vllm:inter_token_latency_seconds_sum", 0.0), ("vllm:inter_token_latency_seconds_count", 0.0)]
+    after = [("vllm:num_preemptions_total", 5.0), ("vllm:kv_cache_usage_perc", 0.0),
+             ("vllm:time_to_first_token_seconds_sum", 3.0), ("vllm:time_to_first_token_seconds_count", 20.0),
+             ("vllm:inter_token_latency_seconds_sum", 4.5), ("vllm:inter_token_latency_seconds_count", 90.0)]
+    peak = [("vllm:kv_cache_usage_perc", 0.875), ("vllm:num_requests_waiting", 3.0)]
+    thr = phase("throughput", thr_reqs, 2.5, conc=4, before=before, after=after, peak=peak)
+    m = summarize((warm, single, thr), w)
+    assert isinstance(m, LoadMetrics)
+    assert m.single_stream_tok_s == 8.0
+    assert m.single_stream_tok_s_spread == 6.0                     # IQR of 4, 8, 16
+    assert m.single_stream_ttft_ms == 125.0
+    assert m.throughput_tok_s == 100 / 2.5
+    assert m.ttft_ms == pytest.approx(550.0)                       # p50 of 100..1000 ms
+    assert m.ttft_ms_p90 == pytest.approx(910.0)
+    assert m.ttft_ms_p99 == pytest.approx(991.0)
+    assert m.ttft_ms_mean == pytest.approx(550.0)
+    assert m.ttft_ms_spread == pytest.approx(450.0)
+    assert m.tpot_ms == pytest.approx(50.0) and m.itl_ms == pytest.approx(50.0)
+    assert m.e2e_ms == pytest.approx(1000.0)
+    assert m.requests_per_s == 4.0
+    assert m.goodput_req_s == 1 / 2.5                               # only the 100 ms TTFT meets 150 ms
+    assert m.concurrency == 4 and m.output_tokens_total == 100 and m.throughput_wall_s == 2.5
+    assert m.preemptions == 3.0
+    assert m.kv_cache_usage_max == 0.875 and m.num_requests_waiting_max == 3.0
+    assert m.server_ttft_ms_mean == pytest.approx(200.0)
+    assert m.server_itl_ms_mean == pytest.approx(50.0)
+    assert m.throughput_tok_s_spread is not None and m.throughput_tok_s_spread >= 0
+    assert m.error_rate == 0.0 and m.requests_sent == 13 and m.load_test_failed == ""
+    assert m.error_kinds == "timeout:1"                            # warm-up failures still show as kinds
+
+
+def test_failed_share_above_threshold_marks_the_trial_and_keeps_partial_results():
+    w = Workload(max_failed_share=0.05)
+    good = [req(0.1, (0.05,) * 9, out=10) for _ in range(18)]
+    bad = [req(0.1, (), out=0, ok=False, kind="timeout"), RequestResult(ok=False, error_kind="http_error",
+                                                                        error="HTTP 500: boom", status=500)]
+    thr = phase("throughput", good + bad, 2.0, conc=8)
+    assert failure_reason(thr, 0.05) == "throughput: 2/20 requests failed (first: timeout: X: y)"
+    assert failure_reason(thr, 0.10) == ""                          # exactly at the share: still fine
+    m = summarize((thr,), w)
+    assert m.load_test_failed.startswith("throughput: 2/20")
+    assert m.throughput_tok_s == 180 / 2.0
+    assert m.error_rate == 0.1 and m.requests_failed == 2
+    assert m.single_stream_tok_s is None and m.preemptions is None
+
+
+def test_summarize_with_no_phases_is_empty_not_an_error():
+    m = summarize((), Workload())
+    assert m == LoadMetrics()
