@@ -2,4 +2,559 @@
 
 from __future__ import annotations
 
-# SKELETON (owner: feasibility helper).
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tuner.errors import TunerError
+from tuner.launcher import Capacity, LaunchFailure
+from tuner.space import ServerParams
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
+                "bfloat16": 2, "bf16": 2, "float8": 1, "fp8": 1}
+
+# vLLM's default KV block size: 16 on CUDA, 128 on the CPU build (vllm/platforms/cpu.py).
+BLOCK_SIZE = {"cuda": 16, "cpu": 128}
+
+# What is not weights nor KV, before any launch has been seen (the uncalibrated prior).
+# CPU: RSS of the worker after warm-up, measured 0.73-0.78 GiB for the tiny model with vLLM 0.32.
+# CUDA: non-torch allocations (NCCL, cuBLAS workspaces) outside weights and activations.
+_BASE_RUNTIME_BYTES = {"cpu": int(0.72 * GIB), "cuda": int(0.15 * GIB)}
+
+# The margin (a fraction of the non-weight overhead) inside which a prediction is "uncertain".
+DEFAULT_MARGIN = 0.10
+
+# Failure kinds that say something about the KV budget; others (timeouts, crashes, a busy port,
+# free memory taken by other processes) are facts about the machine, not about the config.
+_BUDGET_FAILURES = frozenset({"kv_cache_too_small", "no_cache_blocks", "oom"})
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs from a model's config.json and weight files."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    sliding_window: int | None       # only when every layer uses it (then KV per request is capped)
+    quantization: str | None         # quant_method of quantization_config, if any
+    vocab_size: int
+    hidden_size: int
+    param_count: int
+    weights_bytes: int               # safetensors sizes when present, else from param_count
+    intermediate_size: int = 0
+    max_position_embeddings: int = 2048   # vLLM's derived max-model-len (rope factor, tokenizer cap)
+    kv_lora_rank: int | None = None       # MLA models cache one latent per layer instead of K and V
+    weights_from_files: bool = False
+
+    def kv_bytes_per_token(self, kv_dtype_bytes: float | None = None) -> float:
+        """KV cache bytes per token over all layers: 2 · layers · kv_heads · head_dim · bytes."""
+        per_value = self.dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+        if self.kv_lora_rank is not None:  # MLA: latent + rope part, no separate K and V
+            return self.num_layers * (self.kv_lora_rank + self.head_dim) * per_value
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * per_value
+
+
+def _text_config(config: dict) -> dict:
+    # Multimodal configs nest the language model's shape.
+    for key in ("text_config", "llm_config", "language_config"):
+        if isinstance(config.get(key), dict) and "num_hidden_layers" in config[key]:
+            merged = dict(config)
+            merged.update(config[key])
+            return merged
+    return config
+
+
+def _dtype_bytes(name: str | None) -> int:
+    if not name:
+        return 2
+    return _DTYPE_BYTES.get(str(name).replace("torch.", "").lower(), 2)
+
+
+def _derived_max_len(config: dict, folder: Path) -> int:
+    """vLLM's default max-model-len (vllm/config/model.py::_get_and_verify_max_len, simplified)."""
+    keys = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+            "model_max_length", "max_target_positions", "max_sequence_length", "max_seq_length",
+            "seq_len")
+    found = [int(config[k]) for k in keys if isinstance(config.get(k), (int, float))]
+    derived = min(found) if found else 2048
+    tokenizer_config = folder / "tokenizer_config.json"
+    if tokenizer_config.exists():
+        try:
+            cap = json.loads(tokenizer_config.read_text()).get("model_max_length")
+            if isinstance(cap, (int, float)) and cap < derived:
+                derived = int(cap)
+        except (OSError, ValueError):
+            pass
+    rope = config.get("rope_scaling") or config.get("rope_parameters")
+    if isinstance(rope, dict) and "gemma3" not in str(config.get("model_type", "")):
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        # These types already ship a scaled max_position_embeddings.
+        if rope_type not in ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
+                             "deepseek_llama_scaling", "default") and rope.get("factor"):
+            derived = int(derived * float(rope["factor"]))
+    return int(derived)
+
+
+def _param_count(c: dict, head_dim: int) -> int:
+    hidden = int(c["hidden_size"])
+    layers = int(c["num_hidden_layers"])
+    heads = int(c.get("num_attention_heads", 1))
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    inter = int(c.get("intermediate_size") or 4 * hidden)
+    vocab = int(c.get("vocab_size", 32000))
+    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    if c.get("attention_bias") or c.get("model_type") in ("qwen2", "qwen2_moe"):
+        attn += heads * head_dim + 2 * kv_heads * head_dim
+    experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0)
+    if experts:
+        moe_inter = int(c.get("moe_intermediate_size") or inter)
+        shared = int(c.get("n_shared_experts") or 0) * 3 * hidden * moe_inter
+        shared += 3 * hidden * int(c.get("shared_expert_intermediate_size") or 0)
+        mlp = experts * 3 * hidden * moe_inter + hidden * experts + shared
+    else:
+        mlp = 3 * hidden * inter
+    per_layer = attn + mlp + 2 * hidden
+    embed = vocab * hidden
+    head = 0 if c.get("tie_word_embeddings") else vocab * hidden
+    return layers * per_layer + embed + head + hidden
+
+
+def _quantization(c: dict) -> tuple[str | None, float | None]:
+    """(quant method, bytes per linear weight) from quantization_config."""
+    q = c.get("quantization_config") or c.get("compression_config")
+    if not isinstance(q, dict):
+        return None, None
+    method = str(q.get("quant_method") or q.get("format") or "quantized").lower()
+    bits = q.get("bits") or q.get("w_bit") or q.get("weight_bits")
+    if bits:
+        return method, float(bits) / 8
+    if "fp8" in method or "int8" in method or "w8" in method:
+        return method, 1.0
+    if "fp4" in method or "mxfp4" in method or "awq" in method or "gptq" in method:
+        return method, 0.5
+    return method, None
+
+
+def _files_weight_bytes(folder: Path) -> int | None:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+            if total:
+                return int(total)
+        except (OSError, ValueError):
+            pass
+    sizes = [p.stat().st_size for p in folder.glob("*.safetensors")]
+    return sum(sizes) if sizes else None
+
+
+def model_shape(model_dir: str) -> ModelShape:
+    """The memory-relevant shape of a local model folder (config.json, weight file sizes)."""
+    folder = Path(model_dir)
+    path = folder / "config.json"
+    if not path.exists():
+        raise TunerError(f"{path}: no config.json, so the memory model cannot size this model "
+                         "(pass a local model folder or a preset:NAME)")
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as err:
+        raise TunerError(f"{path}: not valid JSON ({err})") from err
+    c = _text_config(raw)
+    try:
+        hidden = int(c["hidden_size"])
+        layers = int(c["num_hidden_layers"])
+    except KeyError as err:
+        raise TunerError(f"{path}: missing {err.args[0]}, which the memory model needs") from err
+    heads = int(c.get("num_attention_heads", 1))
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    kv_lora_rank = c.get("kv_lora_rank")
+    if kv_lora_rank:
+        head_dim = int(c.get("qk_rope_head_dim") or 64)
+    else:
+        head_dim = int(c.get("head_dim") or hidden // heads)
+    dtype_bytes = _dtype_bytes(c.get("torch_dtype") or c.get("dtype") or raw.get("torch_dtype"))
+    sliding = c.get("sliding_window")
+    every_layer_slides = (sliding and c.get("use_sliding_window", True)
+                          and not c.get("layer_types") and not c.get("sliding_window_pattern")
+                          and int(c.get("max_window_layers", layers)) >= layers)
+    quant, quant_bytes = _quantization(c)
+    params = _param_count(c, int(c.get("head_dim") or hidden // heads))
+    vocab = int(c.get("vocab_size", 32000))
+    file_bytes = _files_weight_bytes(folder)
+    if file_bytes is not None:
+        weights = file_bytes
+    elif quant_bytes is not None:
+        embeds = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
+        weights = int((params - embeds) * quant_bytes + embeds * dtype_bytes)
+    else:
+        weights = params * dtype_bytes
+    return ModelShape(
+        num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
+        sliding_window=int(sliding) if every_layer_slides else None, quantization=quant,
+        vocab_size=vocab, hidden_size=hidden, param_count=params, weights_bytes=int(weights),
+        intermediate_size=int(c.get("intermediate_size") or 4 * hidden),
+        max_position_embeddings=_derived_max_len(c, folder),
+        kv_lora_rank=int(kv_lora_rank) if kv_lora_rank else None,
+        weights_from_files=file_bytes is not None,
+    )
+
+
+def kv_dtype_bytes(kv_cache_dtype: str | None, model_dtype_bytes: int) -> float:
+    """Bytes per cached value for a --kv-cache-dtype."""
+    if kv_cache_dtype in (None, "", "auto"):
+        return model_dtype_bytes
+    name = kv_cache_dtype.lower()
+    if "fp4" in name or "int4" in name:
+        return 0.5
+    if "fp8" in name or "int8" in name:
+        return 1
+    return _DTYPE_BYTES.get(name, model_dtype_bytes)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """ServerParams with every None replaced by the value vLLM would pick."""
+
+    gpu_memory_utilization: float
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enforce_eager: bool
+    kv_dtype_bytes: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a config gives the KV cache, and whether vLLM will start with it."""
+
+    kv_budget_gib: float        # vLLM's "Available KV cache memory" (may be negative)
+    kv_bytes_per_token: float
+    kv_cache_tokens: int        # as vLLM logs "KV cache size: N tokens"
+    max_model_len_fit: int      # largest max-model-len the budget holds (vLLM's estimate)
+    max_concurrency: float      # requests of max-model-len tokens the cache holds at once
+    fits: bool
+    uncertain: bool             # no launch observed yet, or within the margin of the limit
+    needed_gib: float           # KV for one request of max-model-len tokens
+    available_gib: float        # = kv_budget_gib, named as vLLM's failure message names it
+    reason: str
+    max_model_len: int = 0      # the max-model-len the prediction is for (default resolved)
+    overhead_gib: float = 0.0   # non-KV memory inside the requested share (weights included)
+    margin: float = 0.0         # the margin used, a fraction of the non-weight overhead
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One launch's outcome as the memory model learned it (kept for replays and reports)."""
+
+    params: ServerParams
+    kind: str                   # "ready" or the LaunchFailure kind
+    overhead_bytes: float | None   # requested share minus the KV budget vLLM found
+    lower_bound: bool = False   # True: the overhead was at least this (budget came out <= 0)
+    miss: bool = False          # the prediction, certain, said the opposite
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class MemoryModel:
+    """Predicts vLLM's KV budget for a config and learns its overhead term from launches.
+
+    A plain object: rebuild it on resume by replaying `observe_ready` / `observe_failure` in trial
+    order. `device_memory_bytes` is an attribute; refresh it when the device's total can move
+    (the CPU build reads a NUMA node's MemTotal, which drifts on virtual machines).
+    """
+
+    def __init__(self, shape: ModelShape, device_memory_bytes: int, platform: str,
+                 device_name: str = "", block_size: int | None = None):
+        if platform not in BLOCK_SIZE:
+            raise TunerError(f"unknown platform {platform!r}: choose cuda or cpu")
+        self.shape = shape
+        self.device_memory_bytes = int(device_memory_bytes)
+        self.platform = platform
+        self.device_name = device_name.lower()
+        self.block_size = block_size or BLOCK_SIZE[platform]
+        self.margin = DEFAULT_MARGIN
+        self.observations: list[Observation] = []
+        self.misses = 0
+        self.oom_gmu: dict[bool, float] = {}   # enforce_eager -> lowest gmu that hit a CUDA OOM
+
+    # -- vLLM's defaults -------------------------------------------------------------------
+
+    def _batch_defaults(self) -> tuple[int, int]:
+        """(max_num_batched_tokens, max_num_seqs) vLLM's API server picks (engine/arg_utils.py)."""
+        if self.platform == "cpu":
+            return 2048, 128
+        if self.device_memory_bytes >= 160 * GIB:
+            return 16384, 1024
+        if self.device_memory_bytes >= 70 * GIB and "a100" not in self.device_name:
+            return 8192, 1024
+        return 2048, 256
+
+    def resolve(self, params: ServerParams) -> Resolved:
+        mml = params.max_model_len or self.shape.max_position_embeddings
+        default_mnbt, default_mns = self._batch_defaults()
+        mns = params.max_num_seqs
+        mnbt = params.max_num_batched_tokens
+        if mnbt is None:
+            mnbt = min((mns or default_mns) * mml, default_mnbt)
+        if mns is None:
+            mns = min(default_mns, mnbt)
+        return Resolved(
+            gpu_memory_utilization=(params.gpu_memory_utilization
+                                    if params.gpu_memory_utilization is not None else 0.9),
+            max_model_len=int(mml), max_num_seqs=int(mns), max_num_batched_tokens=int(mnbt),
+            enforce_eager=bool(params.enforce_eager) or self.platform == "cpu",
+            kv_dtype_bytes=kv_dtype_bytes(params.kv_cache_dtype, self.shape.dtype_bytes),
+        )
+
+    # -- the overhead term -----------------------------------------------------------------
+
+    def prior_runtime_bytes(self, r: Resolved) -> float:
+        """Non-weight, non-KV memory before calibration: activations, sampler, CUDA graphs."""
+        s = self.shape
+        act_bytes = 4 if self.platform == "cpu" else s.dtype_bytes
+        activations = r.max_num_batched_tokens * (4 * s.hidden_size + 2 * s.intermediate_size) * act_bytes
+        sampler = r.max_num_seqs * s.vocab_size * 4 * 2   # fp32 logits and their softmax
+        runtime = _BASE_RUNTIME_BYTES[self.platform] + max(activations, sampler)
+        if not r.enforce_eager:
+            runtime += 0.15 * GIB + s.num_layers * 4 * MIB
+        return float(runtime)
+
+    def requested_bytes(self, r: Resolved) -> float:
+        return math.ceil(self.device_memory_bytes * r.gpu_memory_utilization)
+
+    def _similarity(self, a: Resolved, b: Resolved) -> int:
+        return (4 * (a.enforce_eager == b.enforce_eager)
+                + 2 * (a.max_num_batched_tokens == b.max_num_batched_tokens)
+                + (a.max_num_seqs == b.max_num_seqs))
+
+    def correction_bytes(self, r: Resolved) -> float:
+        """Observed minus prior overhead, from the launches most like this config."""
+        exact = [o for o in self.observations if o.overhead_bytes is not None and not o.lower_bound]
+        if exact:
+            scored = [(self._similarity(r, self.resolve(o.params)), o) for o in exact]
+            best = max(s for s, _ in scored)
+            near = [o for s, o in scored if s == best]
+            residuals = [o.overhead_bytes - self._prior_total(self.resolve(o.params)) for o in near]
+            correction = sum(residuals) / len(residuals)
+        else:
+            correction = 0.0
+        # A launch that found no KV memory at all bounds the overhead from below.
+        for o in self.observations:
+            if not o.lower_bound or o.overhead_bytes is None:
+                continue
+            ro = self.resolve(o.params)
+            if self._similarity(r, ro) >= 4:
+                correction = max(correction, o.overhead_bytes - self._prior_total(ro))
+        return correction
+
+    def _prior_total(self, r: Resolved) -> float:
+        return self.shape.weights_bytes + self.prior_runtime_bytes(r)
+
+    def overhead_bytes(self, r: Resolved) -> float:
+        return self._prior_total(r) + self.correction_bytes(r)
+
+    @property
+    def calibrated(self) -> bool:
+        return any(o.overhead_bytes is not None and not o.lower_bound for o in self.observations)
+
+    # -- prediction ------------------------------------------------------------------------
+
+    def predict(self, params: ServerParams, margin: float | None = None) -> Prediction:
+        """The KV budget and what fits, for `params`; margin is a fraction of the non-weight
+        overhead (None: the learned margin, which only grows)."""
+        r = self.resolve(params)
+        margin = self.margin if margin is None else max(margin, 0.0)
+        s = self.shape
+        bpt = s.kv_bytes_per_token(r.kv_dtype_bytes)
+        block_bytes = self.block_size * bpt
+        overhead = self.overhead_bytes(r)
+        budget = self.requested_bytes(r) - overhead
+        per_request_tokens = r.max_model_len
+        if s.sliding_window is not None:
+            per_request_tokens = min(r.max_model_len, s.sliding_window - 1 + r.max_num_batched_tokens)
+        blocks_per_request = _cdiv(per_request_tokens, self.block_size)
+        needed = blocks_per_request * block_bytes
+        num_blocks = max(int(budget // block_bytes), 0)
+        max_concurrency = num_blocks / blocks_per_request
+        kv_tokens = int(max_concurrency * r.max_model_len)
+        if s.sliding_window is not None and num_blocks >= _cdiv(s.sliding_window, self.block_size):
+            fit_len = s.max_position_embeddings
+        else:
+            fit_len = min(num_blocks * self.block_size, s.max_position_embeddings)
+        band = margin * (overhead - s.weights_bytes if overhead > s.weights_bytes else overhead)
+        band = max(band, block_bytes)
+
+        reasons = []
+        if params.max_model_len is not None and params.max_model_len > s.max_position_embeddings:
+            fits, certain = False, True
+            reasons.append(f"max-model-len {params.max_model_len} exceeds the model's "
+                           f"{s.max_position_embeddings}")
+        elif budget <= 0:
+            fits, certain = False, -budget > band
+            reasons.append(f"no memory left for the KV cache: {overhead / GIB:.2f} GiB of "
+                           f"non-KV use in {self.requested_bytes(r) / GIB:.2f} GiB requested")
+        elif needed > budget:
+            fits, certain = False, needed - budget > band
+            reasons.append(f"{needed / GIB:.3f} GiB KV needed for one {r.max_model_len}-token "
+                           f"request > {budget / GIB:.3f} GiB available (fits {fit_len} tokens)")
+        else:
+            fits, certain = True, budget - needed > band
+            reasons.append(f"{kv_tokens} KV tokens, {max_concurrency:.2f}x concurrency at "
+                           f"{r.max_model_len} tokens")
+        oom_gmu = self.oom_gmu.get(r.enforce_eager)
+        if fits and oom_gmu is not None and r.gpu_memory_utilization >= oom_gmu:
+            fits, certain = False, True
+            reasons.append(f"a launch with gpu-memory-utilization {oom_gmu:g} ran out of memory")
+        if not self.calibrated:
+            certain = False
+            reasons.append("uncalibrated: no launch observed yet")
+        elif not certain:
+            reasons.append(f"within the {margin:.0%} margin")
+        return Prediction(
+            kv_budget_gib=budget / GIB, kv_bytes_per_token=bpt, kv_cache_tokens=kv_tokens,
+            max_model_len_fit=int(fit_len), max_concurrency=max_concurrency, fits=fits,
+            uncertain=not certain, needed_gib=needed / GIB, available_gib=budget / GIB,
+            reason="; ".join(reasons), max_model_len=r.max_model_len, overhead_gib=overhead / GIB,
+            margin=margin,
+        )
+
+    # -- learning --------------------------------------------------------------------------
+
+    def _budget_from_capacity(self, r: Resolved, capacity: Capacity) -> float | None:
+        bpt = self.shape.kv_bytes_per_token(r.kv_dtype_bytes)
+        block = capacity.block_size or self.block_size
+        if capacity.num_gpu_blocks and self.shape.sliding_window is None:
+            return (capacity.num_gpu_blocks + 0.5) * block * bpt
+        if capacity.kv_cache_tokens and self.shape.sliding_window is None:
+            # vLLM logs int(num_blocks / blocks_per_request * max_model_len) tokens.
+            blocks = math.ceil(capacity.kv_cache_tokens * _cdiv(r.max_model_len, block)
+                               / r.max_model_len - 1e-9)
+            return (blocks + 0.5) * block * bpt
+        if capacity.kv_cache_gib is not None:
+            return capacity.kv_cache_gib * GIB
+        return None
+
+    def _learn(self, params: ServerParams, kind: str, overhead: float | None, lower_bound: bool,
+               ready: bool, device_memory_bytes: int | None) -> Observation:
+        if device_memory_bytes:
+            self.device_memory_bytes = int(device_memory_bytes)
+        before = self.predict(params)
+        miss = (not before.uncertain) and (before.fits != ready)
+        if self.calibrated and overhead is not None and not lower_bound:
+            runtime = max(before.overhead_gib * GIB - self.shape.weights_bytes, MIB)
+            error = abs(overhead - before.overhead_gib * GIB) / runtime
+            self.margin = max(self.margin, 1.5 * error)
+        if miss:
+            self.misses += 1
+            self.margin = min(max(2 * self.margin, DEFAULT_MARGIN), 2.0)
+        obs = Observation(params=params, kind=kind, overhead_bytes=overhead,
+                          lower_bound=lower_bound, miss=miss)
+        self.observations.append(obs)
+        return obs
+
+    def observe_ready(self, params: ServerParams, capacity: Capacity,
+                      device_memory_bytes: int | None = None) -> Observation:
+        """Learn from a launch that became ready (its logged KV capacity)."""
+        r = self.resolve(params)
+        if device_memory_bytes:
+            self.device_memory_bytes = int(device_memory_bytes)
+        budget = self._budget_from_capacity(r, capacity)
+        overhead = None if budget is None else self.requested_bytes(r) - budget
+        return self._learn(params, "ready", overhead, False, True, device_memory_bytes)
+
+    def observe_failure(self, params: ServerParams, failure: LaunchFailure,
+                        device_memory_bytes: int | None = None) -> Observation:
+        """Learn from a failed launch; failures that are not about the KV budget only get recorded."""
+        r = self.resolve(params)
+        if device_memory_bytes:
+            self.device_memory_bytes = int(device_memory_bytes)
+        kind = failure.kind
+        overhead, lower_bound = None, False
+        bpt = self.shape.kv_bytes_per_token(r.kv_dtype_bytes)
+        if kind == "kv_cache_too_small":
+            est = failure.estimated_max_model_len
+            if est and self.shape.sliding_window is None:
+                # vLLM's estimate is the largest whole-block length within the budget.
+                budget = (est + self.block_size / 2) * bpt
+            elif failure.available_gib is not None:
+                budget = failure.available_gib * GIB
+            else:
+                budget = None
+            overhead = None if budget is None else self.requested_bytes(r) - budget
+        elif kind == "no_cache_blocks" or (kind == "insufficient_free_memory"
+                                           and failure.needed_gib is not None
+                                           and failure.needed_gib <= 0):
+            # The CPU build says "less than requested memory for kv (-0.05/0.68 GiB)" when the
+            # requested share is under the worker's non-KV use: the config's fault, not the host's.
+            kind = "no_cache_blocks"
+            overhead, lower_bound = self.requested_bytes(r), True
+            if failure.needed_gib is not None and failure.needed_gib <= 0:
+                overhead -= failure.needed_gib * GIB
+                lower_bound = False
+        elif kind == "oom":
+            self.oom_gmu[r.enforce_eager] = min(self.oom_gmu.get(r.enforce_eager, 1.0),
+                                                r.gpu_memory_utilization)
+        if kind not in _BUDGET_FAILURES and kind != "no_cache_blocks":
+            obs = Observation(params=params, kind=kind, overhead_bytes=None)
+            self.observations.append(obs)
+            return obs
+        return self._learn(params, kind, overhead, lower_bound, False, device_memory_bytes)
+
+
+def device_memory_bytes(platform: str) -> int:
+    """The total memory vLLM sizes gpu-memory-utilization against: NVML's total on cuda; on the
+    CPU build NUMA node 0's MemTotal, capped by the cgroup limit (vllm/utils/cpu_resource_utils.py)."""
+    if platform == "cuda":
+        from tuner.gpu import gpus
+        found = gpus()
+        if not found:
+            raise TunerError("no GPU visible to NVML: run with the CPU build or check the driver")
+        return found[0].memory_total_bytes
+    total = None
+    meminfo = Path("/sys/devices/system/node/node0/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 4 and parts[2] == "MemTotal:":
+                total = int(parts[3]) * 1024
+    if total is None:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = int(Path(limit_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit < (1 << 62):
+            total = min(total, limit)
+        break
+    return total
+
+
+def roofline_tok_s(bandwidth_gbps: float, shape: ModelShape, context_tokens: int,
+                   kv_dtype_bytes: int | None = None) -> float:
+    """Single-stream decode bound: bandwidth / bytes read per token (weights + KV of the context)."""
+    bytes_per_token = shape.weights_bytes + context_tokens * shape.kv_bytes_per_token(kv_dtype_bytes)
+    return bandwidth_gbps * 1e9 / bytes_per_token
+
+
+# Below this share of the roofline, a single stream is too slow to be "just inefficient kernels":
+# --enforce-eager measured 13% on an H200, a CPU-offloaded seed 3.5 tok/s (about 1%).
+OFFLOAD_ROOFLINE_SHARE = 0.10
+
+
+def offload_suspected(single_stream_tok_s: float | None, roofline_tok_s: float | None,
+                      weights_bytes: int, memory_for_config_bytes: int | None) -> bool:
+    """Weights cannot all be resident and decode runs far under the bandwidth bound."""
+    if not single_stream_tok_s or not roofline_tok_s or memory_for_config_bytes is None:
+        return False
+    return (weights_bytes > memory_for_config_bytes
+            and single_stream_tok_s < OFFLOAD_ROOFLINE_SHARE * roofline_tok_s)
