@@ -20,6 +20,9 @@ CPU_READY_LOG = """\
 (EngineCore pid=5422) INFO [kv_cache_utils.py:2327] CPU KV cache size: 59,264 tokens, Maximum concurrency for 2,048 tokens per request: 28.94x
 """
 CPU_TOTAL = int(10.21 * GIB)
+# What tuner.launcher.parse_capacity reads from those lines (built here so this file does not
+# depend on the launcher's parsing).
+CPU_READY = Capacity(kv_cache_gib=0.23, kv_cache_tokens=59264, max_concurrency=28.94)
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +107,7 @@ def test_a_failure_calibrates_the_overhead_exactly(llama8b):
 
 
 def test_a_ready_launch_calibrates_kv_tokens_on_cpu(tiny):
-    from tuner.launcher import parse_capacity
-    capacity = parse_capacity(CPU_READY_LOG)
-    assert capacity.kv_cache_tokens == 59264
+    capacity = CPU_READY
     params = ServerParams(gpu_memory_utilization=0.1, max_model_len=2048, max_num_seqs=4)
     model = MemoryModel(tiny, CPU_TOTAL, "cpu")
     model.observe_ready(params, capacity)
@@ -135,10 +136,9 @@ def test_cpu_gmu_under_the_worker_rss_is_learned_from_its_failure(tiny):
 
 
 def test_a_miss_widens_the_margin(tiny):
-    from tuner.launcher import parse_capacity
     model = MemoryModel(tiny, CPU_TOTAL, "cpu")
     model.observe_ready(ServerParams(gpu_memory_utilization=0.1, max_model_len=2048, max_num_seqs=4),
-                        parse_capacity(CPU_READY_LOG))
+                        CPU_READY)
     before = model.margin
     surprise = ServerParams(gpu_memory_utilization=0.3, max_model_len=4096, max_num_seqs=4)
     assert model.predict(surprise).fits and not model.predict(surprise).uncertain
@@ -158,9 +158,8 @@ def test_machine_failures_teach_nothing(tiny):
 
 
 def test_replaying_observations_rebuilds_the_same_model(tiny):
-    from tuner.launcher import parse_capacity
     events = [(ServerParams(gpu_memory_utilization=0.1, max_model_len=2048, max_num_seqs=4),
-               parse_capacity(CPU_READY_LOG)),
+               CPU_READY),
               (ServerParams(gpu_memory_utilization=0.08, max_model_len=32768),
                LaunchFailure(kind="kv_cache_too_small", message="", estimated_max_model_len=9600))]
 
