@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import atexit
+import http.client
+import importlib.metadata
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from tuner.errors import TunerError
 from tuner.space import ServerParams
-
-# SKELETON (owner: launcher helper). Interfaces below are the contract used by study.py.
 
 
 @dataclass(frozen=True)
@@ -19,9 +32,11 @@ class LaunchSpec:
     engine_cmd: tuple[str, ...] = ()   # () = default: `vllm serve` when that works, else python -m api_server
     host: str = "127.0.0.1"
     port: int = 0                      # 0 = a free port from the OS
-    env: tuple[tuple[str, str], ...] = ()   # extra environment for the server
+    # extra environment for the server; kept out of repr because it may hold VLLM_API_KEY
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     launch_timeout_s: float = 600.0
     log_path: str = ""                 # where the full server log is written ("" = a temp file)
+    stop_timeout_s: float = 30.0       # SIGTERM grace before SIGKILL of the whole group
 
 
 @dataclass(frozen=True)
@@ -61,13 +76,390 @@ class Capacity:
     cache_config: tuple[tuple[str, str], ...] = ()   # labels of vllm:cache_config_info
 
 
+class EngineNotFound(TunerError):
+    """The configured engine command cannot be run on this machine."""
+
+    def __init__(self, engine_cmd: tuple[str, ...]):
+        self.engine_cmd = engine_cmd
+        super().__init__(f"engine command {' '.join(engine_cmd)!r} is not installed: "
+                         f"{engine_cmd[0]!r} is not on PATH (set the study's engine command "
+                         f"or install vLLM)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Classification. One table; order matters (the first kind whose pattern matches wins), and each
+# pattern is written against vLLM 0.24 (GPU) and 0.32 (CPU build) wording, tolerant of small
+# differences (commas in numbers, optional parentheses).
+
+
+@dataclass(frozen=True)
+class FailurePattern:
+    kind: str
+    regex: re.Pattern[str]
+    needed_group: str | None = None      # named group holding the needed GiB
+    available_group: str | None = None   # named group holding the available GiB
+    source: str = ""                     # where vLLM prints it
+
+
+FAILURE_PATTERNS: tuple[FailurePattern, ...] = (
+    FailurePattern(
+        "kv_cache_too_small",
+        re.compile(r"To serve at least one request with the model'?s max seq len\s*\(\s*[\d,]+\s*\),?\s*"
+                   r"\(?\s*(?P<needed>[\d.,]+)\s*GiB KV cache is needed, which is larger than the "
+                   r"available KV cache memory\s*\(\s*(?P<available>-?[\d.,]+)\s*GiB\)"),
+        "needed", "available", "vllm/v1/core/kv_cache_utils.py _check_enough_kv_cache_memory"),
+    FailurePattern(
+        # older wording (vLLM < 0.7): no GiB figures, only token counts
+        "kv_cache_too_small",
+        re.compile(r"max seq len \([\d,]+\) is larger than the maximum number of tokens that can be "
+                   r"stored in KV cache"),
+        source="vllm/engine (old)"),
+    FailurePattern(
+        "no_cache_blocks",
+        re.compile(r"No available memory for the cache blocks"),
+        source="vllm/v1/core/kv_cache_utils.py"),
+    FailurePattern(
+        # CPU build, requested kv <= 0: gpu-memory-utilization does not even hold the weights.
+        # Must precede the positive case below.
+        "no_cache_blocks",
+        re.compile(r"Available memory on node \d+ \(\s*(?P<available>-?[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
+                   r"on kv cache allocation is less than requested memory for kv "
+                   r"\(\s*(?P<needed>-[\d.,]+|0(?:\.0+)?)\s*(?:/\s*[\d.,]+\s*)?GiB\)"),
+        "needed", "available", "vllm/v1/worker/cpu_worker.py determine_available_memory"),
+    FailurePattern(
+        "insufficient_free_memory",
+        re.compile(r"Available memory on node \d+ \(\s*(?P<available>-?[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
+                   r"on kv cache allocation is less than requested memory for kv "
+                   r"\(\s*(?P<needed>[\d.,]+)\s*(?:/\s*[\d.,]+\s*)?GiB\)"),
+        "needed", "available", "vllm/v1/worker/cpu_worker.py determine_available_memory"),
+    FailurePattern(
+        "no_cache_blocks",
+        re.compile(r"Externally held weights on device .*?exceed the desired GPU memory utilization"),
+        source="vllm/v1/worker/utils.py"),
+    FailurePattern(
+        "insufficient_free_memory",
+        re.compile(r"Free memory on device\s*\S*\s*\(\s*(?P<available>[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
+                   r"on startup is less than (?:desired GPU memory utilization|the engine's budget)"
+                   r"[^(]*\(\s*[\d.]+\s*,\s*(?P<needed>[\d.,]+)\s*GiB\)"),
+        "needed", "available", "vllm/v1/worker/utils.py request_memory"),
+    FailurePattern(
+        "insufficient_free_memory",
+        re.compile(r"Available memory on node \d+ \(\s*(?P<available>[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
+                   r"on startup is less than desired CPU memory utilization "
+                   r"\(\s*[\d.]+\s*,\s*(?P<needed>[\d.,]+)\s*GiB\)"),
+        "needed", "available", "vllm/v1/worker/cpu_worker.py init_device"),
+    FailurePattern(
+        "oom",
+        re.compile(r"(?:CUDA|HIP|XPU) out of memory|OutOfMemoryError\b|CUDA error: out of memory|"
+                   r"DefaultCPUAllocator: can.t allocate memory"),
+        source="torch"),
+    FailurePattern(
+        "cpu_offload",
+        re.compile(r"Total CPU offloaded parameters:?\s*(?P<needed>[\d.,]*[1-9][\d.,]*)"),
+        "needed", None, "vllm/model_executor/offloader/uva.py"),
+    FailurePattern(
+        "port_in_use",
+        re.compile(r"Address already in use|\[Errno 98\]|error while attempting to bind on address"),
+        source="uvicorn / socket"),
+)
+
+# Lines after which vLLM will not become ready even though no table pattern names the cause.
+_FATAL_MARKERS = re.compile(r"Engine core initialization failed|EngineCore failed to start|"
+                            r"Engine process failed to start|EngineDeadError")
+_ESTIMATED_LEN = re.compile(r"estimated maximum model length is\s*([\d,]+)")
+_TORCH_OOM_NEEDED = re.compile(r"Tried to allocate\s*([\d.,]+)\s*(GiB|MiB)")
+_TORCH_OOM_FREE = re.compile(r"of which\s*([\d.,]+)\s*(GiB|MiB)\s*is free")
+_EXCEPTION_LINE = re.compile(r"^\s*(?:\([^)]*pid=\d+\)\s*)?(?:ERROR\s+[\d-]+\s+[\d:.]+\s+\[[^\]]*\]\s*)?"
+                             r"[\w.]*(?:Error|Exception):\s.*$", re.M)
+_TAIL_LINES = 40
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def _gib(value: str, unit: str) -> float:
+    return _number(value) / (1024.0 if unit == "MiB" else 1.0)
+
+
+def _line_at(text: str, pos: int) -> str:
+    start = text.rfind("\n", 0, pos) + 1
+    end = text.find("\n", pos)
+    return text[start:end if end >= 0 else len(text)].strip()
+
+
+def log_tail(text: str, lines: int = _TAIL_LINES) -> str:
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
 def classify(log_text: str) -> LaunchFailure | None:
     """The failure a server log shows, or None if it shows none."""
-    raise NotImplementedError
+    for pattern in FAILURE_PATTERNS:
+        match = pattern.regex.search(log_text)
+        if match is None:
+            continue
+        line = _line_at(log_text, match.start())
+        needed = _number(match[pattern.needed_group]) if pattern.needed_group else None
+        available = _number(match[pattern.available_group]) if pattern.available_group else None
+        estimated = None
+        if pattern.kind == "kv_cache_too_small":
+            found = _ESTIMATED_LEN.search(line)
+            estimated = int(_number(found[1])) if found else None
+        elif pattern.kind == "oom":
+            # torch's message may span lines after the exception name; look in what follows
+            after = log_text[match.start():match.start() + 2000]
+            if (found := _TORCH_OOM_NEEDED.search(after)) is not None:
+                needed = _gib(found[1], found[2])
+            if (found := _TORCH_OOM_FREE.search(after)) is not None:
+                available = _gib(found[1], found[2])
+        return LaunchFailure(kind=pattern.kind, message=line, needed_gib=needed, available_gib=available,
+                             estimated_max_model_len=estimated, log_tail=log_tail(log_text))
+    marker = _FATAL_MARKERS.search(log_text)
+    if marker is not None:
+        return LaunchFailure(kind="crashed", message=_root_cause(log_text) or _line_at(log_text, marker.start()),
+                             log_tail=log_tail(log_text))
+    return None
 
 
-def parse_capacity(log_text: str) -> Capacity:
-    raise NotImplementedError
+def _root_cause(log_text: str) -> str:
+    """The first exception line of the log: vLLM prints the root cause before the wrappers."""
+    found = _EXCEPTION_LINE.search(log_text)
+    return found[0].strip() if found else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Capacity.
+
+_WEIGHTS = re.compile(r"Model loading took\s*([\d.,]+)\s*GiB")
+_KV_GIB = (re.compile(r"Available KV cache memory:\s*([\d.,]+)\s*GiB"),
+           re.compile(r"(?:Auto|Explicitly) set \(\s*([\d.,]+)\s*/\s*[\d.,]+\s*\)\s*GiB for KV cache"))
+_KV_TOKENS = re.compile(r"KV cache size:\s*([\d,]+)\s*tokens")
+_CONCURRENCY = re.compile(r"Maximum concurrency for\s*[\d,]+\s*tokens per request:\s*([\d.,]+)\s*x")
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(.*)\}", re.M)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _first(regexes, text: str) -> str | None:
+    for regex in regexes:
+        if (found := regex.search(text)) is not None:
+            return found[1]
+    return None
+
+
+def parse_cache_config_info(metrics_text: str) -> tuple[tuple[str, str], ...]:
+    """Labels of the first `vllm:cache_config_info` sample of a Prometheus text page."""
+    found = _CACHE_INFO.search(metrics_text)
+    return tuple(_LABEL.findall(found[1])) if found else ()
+
+
+def _int_label(labels: dict[str, str], name: str) -> int | None:
+    try:
+        return int(labels[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def parse_capacity(log_text: str, metrics_text: str = "", ready_s: float = 0.0) -> Capacity:
+    """Capacity facts from a ready server's log, completed by `/metrics` where the log lacks them."""
+    weights = _first([_WEIGHTS], log_text)
+    kv_gib = _first(_KV_GIB, log_text)
+    tokens = _first([_KV_TOKENS], log_text)
+    concurrency = _first([_CONCURRENCY], log_text)
+    cache_config = parse_cache_config_info(metrics_text)
+    labels = dict(cache_config)
+    kv_tokens = int(_number(tokens)) if tokens else _int_label(labels, "kv_cache_size_tokens")
+    max_concurrency = _number(concurrency) if concurrency else None
+    if max_concurrency is None and labels.get("kv_cache_max_concurrency", "None") != "None":
+        max_concurrency = float(labels["kv_cache_max_concurrency"])
+    return Capacity(
+        weights_gib=_number(weights) if weights else None,
+        kv_cache_gib=_number(kv_gib) if kv_gib else None,
+        kv_cache_tokens=kv_tokens,
+        max_concurrency=max_concurrency,
+        num_gpu_blocks=_int_label(labels, "num_gpu_blocks"),
+        block_size=_int_label(labels, "block_size"),
+        ready_s=ready_s,
+        cache_config=cache_config,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine command and argv.
+
+def default_engine_cmd() -> tuple[str, ...]:
+    """`vllm serve` when the `vllm` distribution and its script are installed, else the module."""
+    try:
+        importlib.metadata.distribution("vllm")
+        has_dist = True
+    except importlib.metadata.PackageNotFoundError:
+        has_dist = False
+    script = shutil.which("vllm")
+    if script is None:
+        # the script of the interpreter's own venv, even when that venv is not activated
+        candidate = Path(sys.executable).parent / "vllm"
+        script = str(candidate) if candidate.exists() else None
+    if has_dist and script:
+        return (script, "serve")
+    return (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+
+
+def check_engine_cmd(engine_cmd: tuple[str, ...]) -> None:
+    """Raise `EngineNotFound` when the engine's program cannot be found."""
+    program = engine_cmd[0] if engine_cmd else ""
+    if not program:
+        raise EngineNotFound(("",))
+    if os.sep in program:
+        if not (os.path.isfile(program) and os.access(program, os.X_OK)):
+            raise EngineNotFound(engine_cmd)
+    elif shutil.which(program) is None:
+        raise EngineNotFound(engine_cmd)
+
+
+def build_argv(spec: LaunchSpec, engine_cmd: tuple[str, ...], port: int) -> list[str]:
+    """The server's argv. `... serve` takes the model positionally; anything else takes `--model`."""
+    model = [spec.model] if engine_cmd[-1] == "serve" else ["--model", spec.model]
+    return [*engine_cmd, *model, *spec.params.vllm_flags(), *spec.extra_args,
+            "--host", spec.host, "--port", str(port)]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups, straight from /proc (Linux).
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # comm may contain spaces and parentheses; the fields after its last ')' are fixed
+    return raw[raw.rfind(")") + 2:].split()
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is `pgid`."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat_fields(int(entry))
+        # fields[0] is state, fields[2] is pgrp
+        if fields and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def kill_group(pgid: int, term_timeout_s: float = 30.0) -> None:
+    """SIGTERM the group, wait, SIGKILL it, and wait until no member is left."""
+    _signal_group(pgid, signal.SIGTERM)
+    if _wait_group_gone(pgid, term_timeout_s):
+        return
+    _signal_group(pgid, signal.SIGKILL)
+    if not _wait_group_gone(pgid, 10.0):
+        # a member killpg missed (e.g. the group emptied and refilled): one by one
+        for pid in group_members(pgid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        _wait_group_gone(pgid, 10.0)
+
+
+def reap_process_group(pgid: int, cmdline_marker: str, term_timeout_s: float = 30.0) -> list[int]:
+    """Stop a server an earlier (SIGKILLed) tuner left behind; the pids it stopped.
+
+    The group is ours only if one of its members' command line contains `cmdline_marker`
+    (e.g. "--port 8123"), so a recycled process-group id never costs a stranger its processes.
+    vLLM renames its children (`VLLM::EngineCore`), so the marker is looked for in any member
+    (in practice the API server, the group leader) and then the whole group is stopped.
+    """
+    members = [pid for pid in group_members(pgid) if _owned_by_us(pid)]
+    # whole argv items only: "--port 800" must not match "--port 8000"
+    if not members or not any(f" {cmdline_marker} " in f" {_cmdline(pid)} " for pid in members):
+        return []
+    kill_group(pgid, term_timeout_s)
+    return members
+
+
+def _owned_by_us(pid: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Live servers, so that Ctrl-C / SIGTERM to the tuner can stop them.
+
+_LIVE: set["ServerProcess"] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def live_servers() -> list["ServerProcess"]:
+    with _LIVE_LOCK:
+        return list(_LIVE)
+
+
+def stop_all() -> None:
+    """Stop every server this process started and has not stopped. Safe from a signal handler."""
+    for server in live_servers():
+        server.stop()
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGHUP raise SystemExit in the main thread, so `with ServerProcess(...)` blocks
+    unwind and stop their servers exactly as Ctrl-C (KeyboardInterrupt) does; `stop_all` runs at
+    exit as a last resort. Call once from the CLI's main thread."""
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _exit)
+    signal.signal(signal.SIGHUP, _exit)
+
+
+atexit.register(stop_all)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _http_get(host: str, port: int, path: str, headers: dict[str, str], timeout_s: float = 2.0
+              ) -> tuple[int, str]:
+    """(status, body) of a GET, or (0, "") when nothing answers."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request("GET", path, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException):
+        return 0, ""
+    finally:
+        conn.close()
 
 
 class ServerProcess:
@@ -78,6 +470,9 @@ class ServerProcess:
             outcome = server.wait_ready()     # Capacity | LaunchFailure
     """
 
+    poll_interval_s = 0.1
+    crash_grace_s = 1.0   # wait this long after a generic fatal marker for the named cause
+
     def __init__(self, spec: LaunchSpec):
         self.spec = spec
         self.pid: int | None = None
@@ -85,18 +480,160 @@ class ServerProcess:
         self.port: int | None = None
         self.base_url: str = ""
         self.argv: list[str] = []
+        self.log_path: str = spec.log_path
+        self.capacity: Capacity | None = None
+        self.failure: LaunchFailure | None = None
+        self.started_at: float = 0.0            # time.monotonic() at start
+        self.verdict_at: float | None = None     # time.time() of the verdict (ready or failure)
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+        self._log_reader = None
+        self._log_text: list[str] = []
+        self._scan_from = 0                      # offset of the first line not yet checked for fatal lines
+        self._marker_seen_at: float | None = None
+        self._stopped = False
+        self._stop_lock = threading.Lock()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc else None
 
     def start(self) -> None:
-        raise NotImplementedError
+        if self._proc is not None:
+            raise RuntimeError("server already started")
+        engine_cmd = tuple(self.spec.engine_cmd) or default_engine_cmd()
+        check_engine_cmd(engine_cmd)
+        self.port = self.spec.port or free_port(self.spec.host)
+        self.argv = build_argv(self.spec, engine_cmd, self.port)
+        self.base_url = f"http://{self.spec.host}:{self.port}"
+        if not self.log_path:
+            fd, self.log_path = tempfile.mkstemp(prefix="vllm-", suffix=".log")
+            os.close(fd)
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **dict(self.spec.env), "PYTHONUNBUFFERED": "1"}
+        # the child writes the log file itself: the log is complete even if the tuner dies
+        self._log_file = open(self.log_path, "wb")
+        self._log_reader = open(self.log_path, "rb")
+        self.started_at = time.monotonic()
+        self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.pid = self.pgid = self._proc.pid
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    def log_text(self) -> str:
+        """The log read so far (call `read_log` for what arrived since)."""
+        return "".join(self._log_text)
+
+    def read_log(self) -> str:
+        """Take in what the server wrote since the last call; the whole log so far."""
+        if self._log_reader is not None:
+            chunk = self._log_reader.read()
+            if chunk:
+                self._log_text.append(chunk.decode(errors="replace"))
+        return self.log_text()
+
+    def _fatal_so_far(self, text: str) -> LaunchFailure | None:
+        # only complete lines count: vLLM writes an exception line in one go, but a read may split it
+        end = text.rfind("\n") + 1
+        if end <= self._scan_from:
+            return None
+        # re-scan from a little before, so a message that spans lines is seen whole
+        window_start = max(0, self._scan_from - 4000)
+        self._scan_from = end
+        if self._marker_seen_at is None and classify(text[window_start:end]) is None:
+            return None
+        failure = classify(text[:end])
+        if failure is None or failure.kind != "crashed":
+            return failure
+        # vLLM logs "EngineCore failed to start." just before the traceback that names the cause:
+        # give the cause a moment to land before settling for "crashed"
+        if self._marker_seen_at is None:
+            self._marker_seen_at = time.monotonic()
+        if time.monotonic() - self._marker_seen_at < self.crash_grace_s:
+            self._scan_from = window_start  # look again next loop
+            return None
+        return failure
+
+    def _fail(self, failure: LaunchFailure) -> LaunchFailure:
+        self.verdict_at = time.time()
+        verdict_s = time.monotonic() - self.started_at
+        self.stop()
+        text = self.read_log()
+        failure = LaunchFailure(**{**failure.__dict__, "verdict_s": verdict_s,
+                                   "exit_code": failure.exit_code if failure.exit_code is not None
+                                   else self.returncode,
+                                   "log_tail": log_tail(text)})
+        self.failure = failure
+        return failure
+
+    def _headers(self) -> dict[str, str]:
+        key = dict(self.spec.env).get("VLLM_API_KEY") or os.environ.get("VLLM_API_KEY")
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def wait_ready(self) -> Capacity | LaunchFailure:
-        raise NotImplementedError
+        """Block until the server answers (Capacity) or shows it never will (LaunchFailure, server
+        stopped). A fatal line in the log decides at once, even while the API server lingers."""
+        if self._proc is None:
+            raise RuntimeError("start() first")
+        deadline = self.started_at + self.spec.launch_timeout_s
+        host, port, headers = self.spec.host, self.port, self._headers()
+        while True:
+            text = self.read_log()
+            if (failure := self._fatal_so_far(text)) is not None:
+                return self._fail(failure)
+            code = self._proc.poll()
+            if code is not None:
+                time.sleep(0.2)  # let the last lines land
+                text = self.read_log()
+                failure = classify(text) or LaunchFailure(
+                    kind="crashed", message=_root_cause(text) or f"server exited with code {code}")
+                return self._fail(LaunchFailure(**{**failure.__dict__, "exit_code": code}))
+            status, _ = _http_get(host, port, "/health", {}, timeout_s=2.0)
+            if status == 200:
+                models_status, _ = _http_get(host, port, "/v1/models", headers, timeout_s=5.0)
+                if models_status == 200:
+                    return self._ready()
+            if time.monotonic() > deadline:
+                return self._fail(LaunchFailure(
+                    kind="startup_timeout",
+                    message=f"not ready after {self.spec.launch_timeout_s:g} s"))
+            time.sleep(self.poll_interval_s)
+
+    def _ready(self) -> Capacity:
+        ready_s = time.monotonic() - self.started_at
+        self.verdict_at = time.time()
+        _, metrics = _http_get(self.spec.host, self.port, "/metrics", self._headers(), timeout_s=10.0)
+        self.capacity = parse_capacity(self.read_log(), metrics, ready_s)
+        return self.capacity
 
     def stop(self) -> None:
-        raise NotImplementedError
+        """Stop the whole process group, survivors included. Idempotent."""
+        with self._stop_lock:
+            if self._stopped or self._proc is None:
+                return
+            self._stopped = True
+            try:
+                kill_group(self.pgid, self.spec.stop_timeout_s)
+                try:
+                    self._proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+            finally:
+                if self._log_file is not None:
+                    self._log_file.close()
+                with _LIVE_LOCK:
+                    _LIVE.discard(self)
+
+    def close(self) -> None:
+        self.stop()
+        if self._log_reader is not None:
+            self.read_log()
+            self._log_reader.close()
+            self._log_reader = None
 
     def __enter__(self) -> "ServerProcess":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self.close()
