@@ -32,3 +32,34 @@ class ServerParams:
         if self.kv_cache_dtype is not None:
             flags += ["--kv-cache-dtype", self.kv_cache_dtype]
         return flags
+
+
+def suggest(trial, dimensions) -> ServerParams:
+    """Draw one ServerParams from an Optuna trial (a FrozenTrial replays its stored params)."""
+    values = {}
+    for d in dimensions:
+        if d.choices:
+            values[d.name] = trial.suggest_categorical(d.name, list(d.choices))
+        elif d.kind == "float":
+            values[d.name] = trial.suggest_float(d.name, d.low, d.high, step=d.step, log=d.log)
+        else:
+            values[d.name] = trial.suggest_int(d.name, int(d.low), int(d.high),
+                                               step=int(d.step or 1), log=d.log)
+    return params_from(values)
+
+
+def params_from(values: dict) -> ServerParams:
+    """ServerParams from a dict of flag values keyed by field name (unknown keys ignored)."""
+    known = ServerParams.__dataclass_fields__
+    return ServerParams(**{k: v for k, v in values.items() if k in known})
+
+
+def scaled(params: ServerParams, memory_scale: float | None) -> ServerParams:
+    """The params to launch when the study caps memory: gmu is then a share of the budget.
+
+    With a 16 GiB budget on a 140 GiB card, a searched gmu of 0.92 launches as 0.92 * 16 / 140.
+    """
+    if memory_scale is None or params.gpu_memory_utilization is None:
+        return params
+    from dataclasses import replace
+    return replace(params, gpu_memory_utilization=round(params.gpu_memory_utilization * memory_scale, 4))

@@ -1,0 +1,165 @@
+"""Study logic against a fake device built from the real data types (fast, no vLLM)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+import optuna
+import pandas as pd
+import pytest
+from optuna.trial import TrialState
+
+from fakes import FAKE_PLATFORM, FakeDevice, fake_config
+from tuner import export, report
+from tuner.study import Tuner, load_existing
+
+
+def run(cfg, device, n):
+    return Tuner(cfg, measure=device, platform=FAKE_PLATFORM, progress=False).run(n)
+
+
+def test_run_writes_results_and_records_failures_as_constraint_violations(tmp_path):
+    cfg = fake_config(tmp_path)
+    device = FakeDevice()
+    study = run(cfg, device, 10)
+
+    assert len(device.launches) == 10
+    folder = cfg.results_path
+    for name in ("trials.csv", "pareto.csv", "pareto.png", "parameters.png", "best-command.sh"):
+        assert (folder / name).stat().st_size > 0, name
+    df = pd.read_csv(folder / "trials.csv")
+    for col in ("trial", "state", "failure", "gpu_memory_utilization", "max_model_len",
+                "max_num_seqs", "single_stream_tok_s", "throughput_tok_s", "ttft_ms", "pareto"):
+        assert col in df.columns
+    failed = [t for t in study.trials if t.user_attrs.get("failure") == "kv_cache_too_small"]
+    for t in failed:  # a memory failure is a finished trial that violates the memory constraint
+        assert t.state == TrialState.COMPLETE
+        assert t.constraints["memory"] > 0
+        assert t.user_attrs["estimated_max_model_len"] < t.params["max_model_len"]
+    measured = [t for t in study.trials if not t.user_attrs.get("failure")]
+    assert measured and all(t.constraints["memory"] == 0 for t in measured)
+    pareto = pd.read_csv(folder / "pareto.csv")
+    assert len(pareto) >= 1 and pareto["failure"].isna().all()
+
+
+def test_baselines_come_first_snapped_into_the_space(tmp_path):
+    cfg = fake_config(tmp_path)
+    study = run(cfg, FakeDevice(), 2)
+    first, second = study.trials[0], study.trials[1]
+    assert first.user_attrs["baseline"] == "vllm-defaults"
+    # the tiny model allows 32768, halfway (in log) between 16384 and 65536: the lower is kept
+    assert first.params == {"gpu_memory_utilization": 0.9, "max_model_len": 16384,
+                            "max_num_seqs": 64}
+    assert second.user_attrs["baseline"] == "hand-tuned"
+    assert second.params == {"gpu_memory_utilization": 0.9, "max_model_len": 4096,
+                             "max_num_seqs": 4}
+
+
+def test_resume_reaches_the_requested_count_without_losing_trials(tmp_path):
+    cfg = fake_config(tmp_path)
+    run(cfg, FakeDevice(), 4)
+    before = {t.number: t.values for t in load_existing(cfg).trials}
+    device = FakeDevice()
+    study = run(cfg, device, 7)
+    assert len(device.launches) == 3
+    assert {t.number: t.values for t in study.trials if t.number in before} == before
+    launched = [t for t in study.trials if t.state == TrialState.COMPLETE
+                and t.user_attrs.get("failure") != "duplicate"]
+    assert len(launched) == 7
+
+
+def test_interrupted_trial_is_failed_and_its_config_measured_on_resume(tmp_path):
+    cfg = fake_config(tmp_path)
+    device = FakeDevice(interrupt_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, device, 5)
+    study = load_existing(cfg)
+    interrupted = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert len(interrupted) == 1 and interrupted[0].user_attrs["failure"] == "interrupted"
+    lost_params = interrupted[0].params
+
+    device2 = FakeDevice()
+    study = run(cfg, device2, 5)
+    assert device2.launches[0] == device.launches[2]  # the interrupted config comes first
+    completed = [t.params for t in study.trials if t.state == TrialState.COMPLETE
+                 and t.user_attrs.get("failure") != "duplicate"]
+    assert lost_params in completed and len(completed) == 5
+
+
+def test_trial_left_running_by_a_killed_tuner_is_recovered(tmp_path):
+    cfg = fake_config(tmp_path)
+    run(cfg, FakeDevice(), 2)
+    study = load_existing(cfg)
+    orphan = study.ask({"gpu_memory_utilization": optuna.distributions.FloatDistribution(0.1, 0.9, step=0.1),
+                        "max_model_len": optuna.distributions.CategoricalDistribution([1024, 4096, 16384, 65536]),
+                        "max_num_seqs": optuna.distributions.CategoricalDistribution([1, 4, 16, 64])})
+    import socket
+    orphan.set_user_attr("tuner_host", socket.gethostname())
+    orphan.set_user_attr("tuner_pid", 2**22 + 12345)  # no such process
+    params = dict(orphan.params)
+
+    device = FakeDevice()
+    study = run(cfg, device, 3)
+    assert study.trials[orphan.number].state == TrialState.FAIL
+    assert [t.params for t in study.trials if t.state == TrialState.COMPLETE][-1] == params
+
+
+def test_never_launches_the_same_config_twice_and_stops_when_the_space_is_exhausted(tmp_path):
+    cfg = fake_config(tmp_path, sampler="grid")
+    cfg = cfg.__class__(**{**cfg.__dict__, "dimensions": tuple(
+        d if d.name != "gpu_memory_utilization" else d.__class__(d.name, d.kind, choices=(0.5, 0.9))
+        for d in cfg.dimensions)})
+    cfg = cfg.__class__(**{**cfg.__dict__, "dimensions": tuple(
+        d if d.name != "max_num_seqs" else d.__class__(d.name, d.kind, choices=(4,))
+        for d in cfg.dimensions)})
+    device = FakeDevice()
+    run(cfg, device, 20)
+    assert len(device.launches) == len(set(device.launches)) == 8  # 2 gmu x 4 lengths x 1
+
+
+def test_sampler_learns_the_infeasible_region(tmp_path):
+    cfg = fake_config(tmp_path, seed=3)
+    device = FakeDevice()
+    study = run(cfg, device, 30)
+    kinds = [t.user_attrs.get("failure", "") for t in study.trials
+             if t.user_attrs.get("failure") != "duplicate" and t.state == TrialState.COMPLETE]
+    first, last = kinds[:10], kinds[-10:]
+    assert last.count("kv_cache_too_small") < first.count("kv_cache_too_small")
+
+
+def test_noise_aware_front_treats_differences_inside_the_spread_as_ties():
+    df = pd.DataFrame({
+        "trial": [0, 1, 2], "state": ["COMPLETE"] * 3, "feasible": [True] * 3,
+        "single_stream_tok_s": [100.0, 99.0, 50.0], "throughput_tok_s": [1000.0, 1005.0, 900.0],
+        "ttft_ms": [50.0, 50.5, 80.0], "throughput_tok_s_spread": [40.0, 40.0, 40.0]})
+    # strictly, trial 0 and 1 are both on the front only by noise; trial 2 is beaten beyond it
+    assert list(report.pareto_mask(df, 0.02)) == [True, True, False]
+    df.loc[1, "throughput_tok_s"] = 999.0  # now trial 0 beats 1 everywhere, but only inside the noise
+    assert list(report.pareto_mask(df, 0.0, use_spread=False)) == [True, False, False]
+    assert list(report.pareto_mask(df, 0.02)) == [True, True, False]
+
+
+@pytest.mark.parametrize("model", ["/models/my model", "/models/it's \"quoted\"", "/m/$(rm -rf x)"])
+def test_export_command_is_quoted_for_any_path(tmp_path, model):
+    cfg = fake_config(tmp_path)
+    study = run(cfg, FakeDevice(), 4)
+    study.set_user_attr("config", {**study.user_attrs["config"], "model": model,
+                                   "extra_args": ["--served-model-name", "a b"]})
+    df = report.trials_frame(study)
+    row = export.choose(df[df["pareto"]], "throughput")
+    argv = shlex.split(export.command(row, study))
+    assert argv[:3] == ["vllm", "serve", model]
+    assert argv[-2:] == ["--served-model-name", "a b"]
+    assert argv[argv.index("--max-num-seqs") + 1] == str(int(row["max_num_seqs"]))
+
+
+def test_export_preferences_pick_the_best_on_their_objective(tmp_path):
+    cfg = fake_config(tmp_path)
+    study = run(cfg, FakeDevice(), 12)
+    df = report.trials_frame(study)
+    front = df[df["pareto"]]
+    assert export.choose(front, "throughput")["throughput_tok_s"] == front["throughput_tok_s"].max()
+    assert export.choose(front, "ttft")["ttft_ms"] == front["ttft_ms"].min()
+    assert export.choose(front, "single-stream")["single_stream_tok_s"] == \
+        front["single_stream_tok_s"].max()

@@ -1,0 +1,324 @@
+"""Command line: argument parsing, and turning TunerError into one line and exit code 2.
+
+Heavy modules (optuna, aiohttp, matplotlib, vllm) are imported inside the commands so that
+`--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from tuner.errors import TunerError
+
+PACKAGE_STUDIES = Path(__file__).parent / "studies"
+
+EPILOG = """examples:
+  python -m tuner run --trials 40                 tune the embedded tiny model (studies/demo.toml)
+  python -m tuner run --study studies/my.toml --trials 30 --model /models/Qwen2.5-7B
+  python -m tuner run --model preset:llama-3.1-8b --memory-budget-gib 16 --trials 12
+  python -m tuner show                            the trials and the Pareto set as a table
+  python -m tuner export --prefer throughput      the launch command of the chosen config
+  python -m tuner measure --gpu-memory-utilization 0.2 --max-model-len 4096 --max-num-seqs 8
+  python -m tuner doctor                          what will be launched, and where
+"""
+
+
+def resolve_study_file(name: str) -> Path:
+    """A path, or a name under ./studies/ or the package's studies (the embedded demo)."""
+    p = Path(name)
+    if p.suffix == ".toml" or p.exists() or os.sep in name:
+        return p
+    for folder in (Path("studies"), PACKAGE_STUDIES):
+        if (folder / f"{name}.toml").exists():
+            return folder / f"{name}.toml"
+    return Path("studies") / f"{name}.toml"
+
+
+def add_study_options(p: argparse.ArgumentParser, tuning: bool = True) -> None:
+    g = p.add_argument_group("study")
+    g.add_argument("--study", default="demo", metavar="FILE|NAME",
+                   help="study file, or a name under studies/ (default: demo, the embedded tiny model)")
+    g.add_argument("--name", help="study name (default: the file's [study] name or stem)")
+    g.add_argument("--storage", metavar="URL",
+                   help="Optuna storage URL (default: sqlite:///studies/NAME.db; "
+                        "postgresql://... lets several hosts share a study)")
+    g.add_argument("--results", dest="results_dir", metavar="DIR",
+                   help="results folder (default: results; files land in DIR/NAME/)")
+    if not tuning:
+        return
+    g.add_argument("--model", help="model folder, HF id or preset:NAME (overrides the study file)")
+    g.add_argument("--engine", metavar="CMD",
+                   help="command that starts vLLM, e.g. '/opt/venv/bin/vllm serve' "
+                        "(default: `vllm serve`, else python -m vllm.entrypoints.openai.api_server)")
+    g.add_argument("--host", help="address the server binds (default 127.0.0.1)")
+    g.add_argument("--launch-timeout", dest="launch_timeout_s", type=float, metavar="S",
+                   help="seconds a launch may take before it counts as startup_timeout")
+    g.add_argument("--memory-budget-gib", dest="memory_budget_gib", type=float, metavar="GIB",
+                   help="give the instance only this much device memory (e.g. 16 to tune for a "
+                        "16 GB card on a bigger one); gpu-memory-utilization is then a share of it")
+
+
+def overrides(args: argparse.Namespace) -> dict:
+    keys = ("name", "storage", "results_dir", "model", "host", "launch_timeout_s",
+            "memory_budget_gib", "sampler", "seed", "confirm")
+    out = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if getattr(args, "engine", None):
+        out["engine"] = args.engine
+    return out
+
+
+def load_config(args: argparse.Namespace):
+    from tuner.config import load_study
+
+    return load_study(resolve_study_file(args.study), overrides(args))
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tuner", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Pareto autotuner for vLLM launch flags: launches real servers with candidate "
+                    "--gpu-memory-utilization / --max-model-len / --max-num-seqs, load-tests them "
+                    "and keeps the configs no other beats on single-stream speed, throughput and TTFT.",
+        epilog=EPILOG)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, help_text: str, examples: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text,
+                              epilog="examples:\n" + examples,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    run = command("run", "search launch flags: launch, load-test and record trials until N are done",
+                  "  python -m tuner run --trials 40\n"
+                  "  python -m tuner run --study studies/h200.toml --trials 12 --confirm 2\n"
+                  "  python -m tuner run --trials 40 --sampler random --name demo-random\n"
+                  "A killed run resumes: run the same command again.\n")
+    run.add_argument("--trials", type=positive_int, default=20,
+                     help="stop when the study holds this many launched trials (default 20)")
+    run.add_argument("--sampler", choices=("auto", "gp", "tpe", "random", "grid"),
+                     help="search strategy (default auto: GP when scipy and torch import, else TPE)")
+    run.add_argument("--seed", type=int, help="sampler seed")
+    run.add_argument("--confirm", type=int, metavar="K",
+                     help="re-measure each Pareto member K times at the end")
+    run.add_argument("--quiet", action="store_true", help="no live load-test lines")
+    add_study_options(run)
+
+    report = command("report", "rebuild results/NAME/ (CSV files, plots, best command) from storage",
+                     "  python -m tuner report\n  python -m tuner report --study studies/h200.toml\n")
+    add_study_options(report, tuning=False)
+
+    show = command("show", "print the trials and the Pareto set as a table",
+                   "  python -m tuner show\n  python -m tuner show --all-columns\n")
+    show.add_argument("--all-columns", action="store_true", help="every recorded column")
+    add_study_options(show, tuning=False)
+
+    export = command("export", "print the launch command of a Pareto config (and write best-command.sh)",
+                     "  python -m tuner export\n  python -m tuner export --prefer ttft\n"
+                     "  python -m tuner export --json | jq .max_num_seqs\n")
+    export.add_argument("--prefer", choices=("balanced", "throughput", "single-stream", "ttft"),
+                        default="balanced", help="which Pareto config to pick (default balanced)")
+    export.add_argument("--json", action="store_true", help="print the params as JSON instead")
+    add_study_options(export, tuning=False)
+
+    measure = command("measure", "launch one config, run the study's load test, print one JSON object",
+                      "  python -m tuner measure --gpu-memory-utilization 0.2 --max-model-len 4096 "
+                      "--max-num-seqs 8\n"
+                      "  python -m tuner measure --model preset:llama-3.1-8b "
+                      "--gpu-memory-utilization 0.9 --max-model-len 8192 --max-num-seqs 64\n")
+    measure.add_argument("--gpu-memory-utilization", type=float, required=True)
+    measure.add_argument("--max-model-len", type=positive_int, required=True)
+    measure.add_argument("--max-num-seqs", type=positive_int, required=True)
+    measure.add_argument("--max-num-batched-tokens", type=positive_int)
+    measure.add_argument("--enforce-eager", action="store_true")
+    measure.add_argument("--kv-cache-dtype")
+    add_study_options(measure)
+
+    doctor = command("doctor", "show what vLLM will be launched and how, the GPUs, and whether "
+                     "storage and results are writable", "  python -m tuner doctor\n")
+    add_study_options(doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handler = {"run": cmd_run, "report": cmd_report, "show": cmd_show, "export": cmd_export,
+               "measure": cmd_measure, "doctor": cmd_doctor}[args.command]
+    # SIGTERM unwinds like Ctrl-C, so every `with ServerProcess` stops its server before exit.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return handler(args) or 0
+    except TunerError as e:
+        print(f"tuner: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tuner: interrupted; servers stopped, finished trials kept: "
+              "run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def cmd_run(args) -> int:
+    from tuner.study import Tuner
+
+    cfg = load_config(args)
+    tuner = Tuner(cfg, progress=not args.quiet)
+    study = tuner.run(args.trials)
+    print_summary(study, cfg)
+    return 0
+
+
+def print_summary(study, cfg) -> None:
+    from tuner import export, report
+
+    df = report.trials_frame(study, cfg.tie_tolerance)
+    front = df[df["pareto"]]
+    counts = df["failure"].replace("", "measured").value_counts().to_dict()
+    print(f"study {cfg.name}: {len(df)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())})",
+          file=sys.stderr)
+    print(f"Pareto set ({len(front)} configs):", file=sys.stderr)
+    print(report.table(front), file=sys.stderr)
+    print(f"results: {cfg.results_path}/ (trials.csv, pareto.csv, pareto.png, parameters.png, "
+          "best-command.sh)", file=sys.stderr)
+    if len(front):
+        print(export.command(export.choose(front, "balanced"), study))
+
+
+def _study_and_frame(args):
+    from tuner import report
+    from tuner.study import load_existing
+
+    cfg = load_config(args)
+    study = load_existing(cfg)
+    return cfg, study, report.trials_frame(study, cfg.tie_tolerance)
+
+
+def cmd_report(args) -> int:
+    from tuner import report
+    from tuner.study import check_results_dir, load_existing
+
+    cfg = load_config(args)
+    study = load_existing(cfg)
+    check_results_dir(cfg)
+    df = report.write_all(study, cfg)
+    print(f"wrote {cfg.results_path}/ from {len(df)} trials", file=sys.stderr)
+    return 0
+
+
+def cmd_show(args) -> int:
+    from tuner import report
+
+    cfg, study, df = _study_and_frame(args)
+    if df.empty:
+        print("no trials yet", file=sys.stderr)
+        return 0
+    print(df.to_string(index=False) if args.all_columns else report.table(df))
+    front = df[df["pareto"]]
+    print(f"\nPareto set: trials {', '.join(str(int(t)) for t in front['trial'])}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from tuner import export
+
+    cfg, study, df = _study_and_frame(args)
+    front = df[df["pareto"]]
+    if front.empty:
+        raise TunerError(f"study {cfg.name} has no feasible measured config yet: run more trials")
+    row = export.choose(front, args.prefer)
+    if args.json:
+        print(json.dumps(export.params_dict(row), indent=2))
+    else:
+        print(export.command(row, study))
+    cfg.results_path.mkdir(parents=True, exist_ok=True)
+    (cfg.results_path / "best-command.sh").write_text(export.script(row, study))
+    return 0
+
+
+def cmd_measure(args) -> int:
+    import time
+
+    from tuner.launcher import LaunchSpec
+    from tuner.measure import measure_config
+    from tuner.space import ServerParams, scaled
+    from tuner.study import (check_engine, detect_platform, memory_scale, outcome_dict,
+                             resolve_model)
+
+    cfg = load_config(args)
+    platform = detect_platform(cfg)
+    check_engine(platform.engine)
+    model, extra = resolve_model(cfg)
+    params = scaled(ServerParams(args.gpu_memory_utilization, args.max_model_len, args.max_num_seqs,
+                                 args.max_num_batched_tokens, args.enforce_eager or None,
+                                 args.kv_cache_dtype), memory_scale(cfg, platform))
+    folder = cfg.results_path / "measure" / time.strftime("%Y%m%d-%H%M%S")
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = LaunchSpec(model=model, params=params, extra_args=extra, engine_cmd=platform.engine,
+                      host=cfg.host, env=cfg.env, launch_timeout_s=cfg.launch_timeout_s,
+                      log_path=str(folder / "server.log"))
+    outcome = measure_config(spec, cfg.workload)
+    print(json.dumps(outcome_dict(outcome), indent=2, default=str))
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from tuner import gpu
+    from tuner.study import detect_platform, open_storage, resolve_model
+
+    cfg = load_config(args)
+    platform = detect_platform(cfg)
+    lines = [f"study      {cfg.source} (name {cfg.name})"]
+    import shutil
+
+    found = shutil.which(platform.engine[0]) or os.path.isfile(platform.engine[0])
+    lines.append(f"engine     {' '.join(platform.engine)}"
+                 + ("" if found else "   NOT FOUND: install vLLM or pass --engine"))
+    lines.append(f"vLLM       {platform.vllm_version or 'unknown (not installed in this Python)'}")
+    try:
+        model, extra = resolve_model(cfg)
+        lines.append(f"model      {model} {' '.join(extra)}")
+    except TunerError as e:
+        lines.append(f"model      PROBLEM: {e}")
+    devices = gpu.gpus()
+    if devices:
+        for d in devices:
+            bw = f", ~{d.memory_bandwidth_gbps:.0f} GB/s" if d.memory_bandwidth_gbps else ""
+            lines.append(f"GPU {d.index}      {d.name}: {d.memory_total_bytes / 2**30:.1f} GiB total, "
+                         f"{d.memory_free_bytes / 2**30:.1f} GiB free{bw}")
+            for p in gpu.gpu_processes(d.index):
+                lines.append(f"           held by pid {p.pid} ({p.used_bytes / 2**30:.1f} GiB): "
+                             f"{p.cmdline[:80]}")
+    else:
+        lines.append(f"GPU        none seen by NVML: trials use vLLM's CPU build "
+                     f"({platform.memory_total_bytes / 2**30:.1f} GiB for the KV cache and model)")
+    try:
+        open_storage(cfg.storage)
+        lines.append(f"storage    {cfg.storage}: ok")
+    except TunerError as e:
+        lines.append(f"storage    PROBLEM: {e}")
+    folder = cfg.results_path
+    probe = next((p for p in [folder, *folder.parents] if p.exists()), Path("."))
+    writable = os.access(probe, os.W_OK)
+    lines.append(f"results    {folder}/: {'writable' if writable else 'NOT WRITABLE'}")
+    print("\n".join(lines))
+    return 0

