@@ -141,22 +141,24 @@ def main() -> None:
                 time.sleep(0.1)
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {0})
+        from tuner.loadgen import run_async
+
         url = f"http://127.0.0.1:{port}/v1/completions"
         print(f"client pinned to one core; server in pid {server.pid}; {args.duration:g} s per run", file=sys.stderr)
 
         print("max rate (server unpaced, one client process, one core):")
         best = 0.0
         for streams, batch in ((64, 1), (64, 16), (256, 16), (64, 64)):
-            rate, cpu, arrivals = asyncio.run(drive(f"{url}?batch={batch}", streams, 2000, args.duration))
+            rate, cpu, arrivals = run_async(drive(f"{url}?batch={batch}", streams, 2000, args.duration))
             best = max(best, rate)
             print(f"  streams={streams:<4} events/write={batch:<3} {rate:>10,.0f} tok/s  "
                   f"client CPU {cpu:6.1%} of a core  ({arrivals:,} arrivals timed)")
-        bare, bare_cpu, _ = asyncio.run(drive(f"{url}?batch=16", 64, 2000, args.duration, bare=True))
+        bare, bare_cpu, _ = run_async(drive(f"{url}?batch=16", 64, 2000, args.duration, bare=True))
         print(f"  reference: bare aiohttp read loop, streams=64 events/write=16: {bare:,.0f} tok/s "
               f"(CPU {bare_cpu:.1%})")
 
         print("paced 11,400 tok/s (256 streams x 44.53 tok/s, one event per write):")
-        rate, cpu, _ = asyncio.run(drive(f"{url}?batch=1&interval={256 / 11400:.6f}", 256, 400,
+        rate, cpu, _ = run_async(drive(f"{url}?batch=1&interval={256 / 11400:.6f}", 256, 400,
                                          max(args.duration, 10.0)))
         print(f"  measured {rate:,.0f} tok/s, client CPU {cpu:.1%} of a core "
               f"({cpu / rate * 11400:.1%} scaled to exactly 11,400 tok/s)")
