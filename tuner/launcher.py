@@ -471,6 +471,7 @@ class ServerProcess:
     """
 
     poll_interval_s = 0.1
+    failed_stop_timeout_s = 2.0   # SIGTERM grace for a server that failed to start
     crash_grace_s = 1.0   # wait this long after a generic fatal marker for the named cause
 
     def __init__(self, spec: LaunchSpec):
@@ -558,7 +559,9 @@ class ServerProcess:
     def _fail(self, failure: LaunchFailure) -> LaunchFailure:
         self.verdict_at = time.time()
         verdict_s = time.monotonic() - self.started_at
-        self.stop()
+        # nothing to shut down gracefully: vLLM's API server, blocked waiting for its dead engine
+        # core, ignores SIGTERM for tens of seconds
+        self.stop(term_timeout_s=self.failed_stop_timeout_s)
         text = self.read_log()
         failure = LaunchFailure(**{**failure.__dict__, "verdict_s": verdict_s,
                                    "exit_code": failure.exit_code if failure.exit_code is not None
@@ -607,14 +610,16 @@ class ServerProcess:
         self.capacity = parse_capacity(self.read_log(), metrics, ready_s)
         return self.capacity
 
-    def stop(self) -> None:
-        """Stop the whole process group, survivors included. Idempotent."""
+    def stop(self, term_timeout_s: float | None = None) -> None:
+        """Stop the whole process group, survivors included. Idempotent.
+
+        `term_timeout_s` (default `spec.stop_timeout_s`) is the SIGTERM grace before SIGKILL."""
         with self._stop_lock:
             if self._stopped or self._proc is None:
                 return
             self._stopped = True
             try:
-                kill_group(self.pgid, self.spec.stop_timeout_s)
+                kill_group(self.pgid, self.spec.stop_timeout_s if term_timeout_s is None else term_timeout_s)
                 try:
                     self._proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:
