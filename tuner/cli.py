@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                "measure": cmd_measure, "doctor": cmd_doctor}[args.command]
     # SIGTERM unwinds like Ctrl-C, so every `with ServerProcess` stops its server before exit.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGHUP, _raise_interrupt)
     try:
         return handler(args) or 0
     except TunerError as e:

