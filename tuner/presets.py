@@ -38,6 +38,8 @@ def _llama(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: in
 # Values copied from the published config.json of each model (only the shape matters for dummy weights).
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": _llama(4096, 14336, 32, 32, 8, 128256, 131072, 128000, 128009, _LLAMA31_ROPE),
+    "llama-3.2-3b": _llama(3072, 8192, 28, 24, 8, 128256, 131072, 128000, 128009,
+                           {**_LLAMA31_ROPE, "factor": 32.0}, tie=True),
     "llama-3.1-70b": _llama(8192, 28672, 80, 64, 8, 128256, 131072, 128000, 128009, _LLAMA31_ROPE),
     "qwen2.5-32b": {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",

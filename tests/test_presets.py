@@ -1,0 +1,48 @@
+"""Weightless model folders: the embedded tiny model and the shape presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer
+
+from tuner import presets
+from tuner.errors import TunerError
+
+
+@pytest.mark.parametrize("name", ["tiny", *sorted(presets.PRESETS)])
+def test_tokenizer_vocabulary_equals_vocab_size_and_round_trips(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = presets.preset_folder(name)
+    config = json.loads((folder / "config.json").read_text())
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert tok.get_vocab_size() == config["vocab_size"]
+    ids = [config["vocab_size"] - 1, 1000, 7]
+    assert tok.encode(tok.decode(ids)).ids == ids
+    assert tok.token_to_id("</s>") == config["eos_token_id"]
+    template = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+    assert "messages" in template
+
+
+def test_embedded_tiny_model_matches_its_generator():
+    shipped = json.loads((presets.TINY_MODEL / "config.json").read_text())
+    assert shipped == presets.TINY_CONFIG
+
+
+def test_published_shapes():
+    l8 = presets.PRESETS["llama-3.1-8b"]
+    assert (l8["num_hidden_layers"], l8["num_key_value_heads"], l8["hidden_size"],
+            l8["intermediate_size"], l8["vocab_size"]) == (32, 8, 4096, 14336, 128256)
+    q32 = presets.PRESETS["qwen2.5-32b"]
+    assert (q32["num_hidden_layers"], q32["num_key_value_heads"], q32["hidden_size"]) == (64, 8, 5120)
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(TunerError, match="llama-3.1-8b"):
+        presets.preset_folder("nope")
+
+
+def test_resolve_model():
+    assert presets.resolve_model("preset:tiny") == (str(presets.TINY_MODEL), True)
+    assert presets.resolve_model("meta-llama/Llama-3.1-8B") == ("meta-llama/Llama-3.1-8B", False)
