@@ -133,10 +133,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--warmup-runs", type=int, default=1, help="discarded runs of this client first")
     ap.add_argument("--base-url", help="use this running server instead of starting one")
+    ap.add_argument("--model", default=str(TINY_MODEL), help="served model name (with --base-url)")
     args = ap.parse_args()
 
-    model = str(TINY_MODEL)
+    model = args.model
     proc = None
     with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
         tmp = Path(tmp)
@@ -148,6 +150,9 @@ def main() -> None:
             proc = start_server(port, args.concurrency, tmp / "server.log")
             base_url = f"http://127.0.0.1:{port}"
         try:
+            # the first load after start compiles shapes (torch.compile on CPU): keep it out of both clients
+            for _ in range(args.warmup_runs):
+                asyncio.run(ours(base_url, model, args, 99))
             runs: dict[str, list[dict]] = {"ours": [], "vllm": []}
             for k in range(args.rounds):
                 # alternate which client goes first, so a slow drift of the machine favours neither
@@ -164,7 +169,8 @@ def main() -> None:
             if proc is not None:
                 stop_server(proc)
 
-    print(f"\n{args.rounds} rounds, input {args.input_len}, output {args.output_len}, "
+    print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other work on the machine adds noise)")
+    print(f"{args.rounds} rounds, input {args.input_len}, output {args.output_len}, "
           f"{args.num_prompts} prompts, concurrency {args.concurrency}; medians over rounds:")
     worst = 0.0
     for key, label in (("output_throughput", "output throughput"), ("median_ttft_ms", "median TTFT"),
@@ -172,7 +178,9 @@ def main() -> None:
         a = statistics.median(r[key] for r in runs["ours"])
         b = statistics.median(r[key] for r in runs["vllm"])
         worst = max(worst, abs(a / b - 1))
-        print(f"  {label:<18} ours {a:9.3f}  vLLM {b:9.3f}  ratio {a / b:.3f}")
+        pairs = [x[key] / y[key] for x, y in zip(runs["ours"], runs["vllm"])]
+        print(f"  {label:<18} ours {a:9.3f}  vLLM {b:9.3f}  ratio {a / b:.3f}  "
+              f"(per-round ratios {min(pairs):.2f}..{max(pairs):.2f})")
     print(f"worst deviation {worst:.1%} (target 3%: {'met' if worst <= 0.03 else 'NOT met'})")
 
 
