@@ -37,9 +37,13 @@ WIDE_CONFIG = _llama(512, 1024, 8, 8, 4, 4096, 32768, 1, 2, None)
 # (gmu, max-model-len, max-num-seqs): roomy, tight, just over, far over, and under the worker's RSS.
 SPREAD = [(0.10, 2048, 4), (0.12, 8192, 8), (0.15, 16384, 16), (0.09, 32768, 4),
           (0.085, 32768, 8), (0.07, 2048, 4)]
-SHAPES = {"tiny": (TINY_CONFIG, SPREAD),
-          "wide-8L": (WIDE_CONFIG, [(0.10, 2048, 4), (0.13, 8192, 8), (0.09, 16384, 4),
-                                    (0.11, 32768, 4), (0.16, 16384, 16), (0.07, 2048, 4)])}
+# The host's NUMA MemTotal drifts (10.2 to 14.7 GiB within one run here), so a fixed gmu may not
+# fail as meant: these entries give a target KV budget in GiB instead (negative: under the RSS),
+# turned into a gmu from the total read just before launch and a rough 0.8 GiB worker RSS.
+TARGETS = [(0.25, 2048, 4), (0.12, 8192, 8), (0.06, 16384, 4), (0.12, 32768, 4),
+           (0.40, 16384, 16), (-0.08, 2048, 4)]
+WORKER_RSS_GIB = 0.8
+SHAPES = {"tiny": (TINY_CONFIG, SPREAD), "wide-8L": (WIDE_CONFIG, TARGETS)}
 
 
 def launch(model_dir: str, params: ServerParams, log_path: Path) -> dict:
@@ -85,6 +89,7 @@ def err(pred: float, true: float | None) -> float | None:
 
 def report(runs: dict[str, list[dict]], folders: dict[str, str]) -> None:
     before_tok, after_tok, before_len, after_len = [], [], [], []
+    after_mib: list[float] = []   # KV budget error in MiB: relative errors blow up near a zero budget
     outcome_before = outcome_after = 0
     counted_after = 0
     print(f"{'shape':8} {'gmu':>6} {'mml':>6} {'seqs':>4}  {'outcome':22} {'log tokens':>10} "
@@ -107,7 +112,8 @@ def report(runs: dict[str, list[dict]], folders: dict[str, str]) -> None:
             ok0, ok1 = p0.fits == ready, p1.fits == ready
             if e0t is not None and tokens:
                 before_tok.append(e0t)
-            if e0l is not None and maxlen:
+            informative = maxlen is not None and 0 < maxlen < shape.max_position_embeddings
+            if e0l is not None and informative:
                 before_len.append(e0l)
             outcome_before += ok0
             if seen_ready:
@@ -115,8 +121,12 @@ def report(runs: dict[str, list[dict]], folders: dict[str, str]) -> None:
                 outcome_after += ok1
                 if e1t is not None and tokens:
                     after_tok.append(e1t)
-                if e1l is not None and maxlen:
+                if e1l is not None and informative:
                     after_len.append(e1l)
+                logged = tokens if tokens else maxlen
+                if logged and logged < shape.max_position_embeddings or tokens:
+                    predicted = p1.kv_cache_tokens if tokens else p1.max_model_len_fit
+                    after_mib.append(abs(predicted - logged) * shape.kv_bytes_per_token() / 2**20)
             fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
             print(f"{name:8} {params.gpu_memory_utilization:>6g} {params.max_model_len:>6} "
                   f"{params.max_num_seqs:>4}  {kind:22} {fmt(tokens):>10} {p0.kv_cache_tokens:>8} "
@@ -143,6 +153,9 @@ def report(runs: dict[str, list[dict]], folders: dict[str, str]) -> None:
     print("KV tokens error,      after first ready: ", summary(after_tok))
     print("largest max-model-len before calibration:", summary(before_len))
     print("largest max-model-len after first ready: ", summary(after_len))
+    if after_mib:
+        print(f"KV budget error after first ready: median {statistics.median(after_mib):.1f} MiB, "
+              f"max {max(after_mib):.1f} MiB (n={len(after_mib)})")
     total = sum(len(r) for r in runs.values())
     print(f"fits/fails right:     prior {outcome_before}/{total}, "
           f"calibrated {outcome_after}/{counted_after} (launches after each shape's first ready)")
@@ -162,6 +175,9 @@ def main() -> None:
                 continue
             runs[name] = []
             for i, (gmu, mml, seqs) in enumerate(spread):
+                if name == "wide-8L":
+                    total = feasibility.device_memory_bytes("cpu") / 2**30
+                    gmu = round((WORKER_RSS_GIB + gmu) / total, 3)
                 params = ServerParams(gpu_memory_utilization=gmu, max_model_len=mml, max_num_seqs=seqs)
                 row = launch(folders[name], params, tmp / f"{name}-{i}.log")
                 runs[name].append(row)
