@@ -40,16 +40,19 @@ def usage_chunk(n: int) -> bytes:
 
 # ---------------------------------------------------------------- server (own process)
 
-def serve(port: int) -> None:
+def serve(port: int, default_interval: float = 0.0, first_delay: float = 0.0) -> None:
+    """Stream chunks; `?batch=K&interval=S` per request, else the defaults (used by bench/fidelity.py)."""
     from aiohttp import web
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         n = body["max_tokens"]
         batch = int(request.query.get("batch", "1"))
-        interval = float(request.query.get("interval", "0"))
+        interval = float(request.query.get("interval", default_interval))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if first_delay:
+            await asyncio.sleep(first_delay)
         block = CHUNK * batch
         loop = asyncio.get_running_loop()
         due = loop.time()
@@ -162,12 +165,14 @@ async def paced(url: str, streams: int, duration_s: float, bare: bool = False) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--interval", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--first-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--duration", type=float, default=6.0, help="seconds per measurement")
     args = ap.parse_args()
     if args.serve:
         if hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > 1:
             os.sched_setaffinity(0, {1})
-        serve(args.serve)
+        serve(args.serve, args.interval, args.first_delay)
         return
 
     with socket.socket() as s:

@@ -6,6 +6,9 @@ and output lengths, request count and concurrency, and prints each run and the r
 ours / vLLM of the medians over rounds of output throughput, median TTFT and median TPOT.
 Target: each ratio within 1 +- 0.03.
 
+With --synthetic the server is a deterministic SSE streamer (20 ms to the first token, then one token
+every 5 ms, whatever the load): what differs then is only how the two clients measure.
+
   .venv/bin/python bench/fidelity.py [--rounds 4] [--input-len 128] [--output-len 128] \
       [--num-prompts 48] [--concurrency 8]          # a few minutes
 
@@ -135,6 +138,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--warmup-runs", type=int, default=1, help="discarded runs of this client first")
     ap.add_argument("--base-url", help="use this running server instead of starting one")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="a deterministic SSE server (bench/client_capacity.py: 20 ms to the first token, "
+                         "then one every 5 ms) instead of vLLM: compares the clients without server noise")
     ap.add_argument("--model", default=str(TINY_MODEL), help="served model name (with --base-url)")
     args = ap.parse_args()
 
@@ -144,6 +150,21 @@ def main() -> None:
         tmp = Path(tmp)
         if args.base_url:
             base_url = args.base_url.rstrip("/")
+        elif args.synthetic:
+            port = free_port()
+            proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "client_capacity.py"), "--serve",
+                                     str(port), "--interval", "0.005", "--first-delay", "0.02"],
+                                    start_new_session=True)
+            base_url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise SystemExit("synthetic server did not start")
+                    time.sleep(0.1)
         else:
             port = free_port()
             print(f"starting vLLM on port {port} (about a minute) ...", file=sys.stderr)
