@@ -38,17 +38,28 @@ def test_config_that_fits_starts_and_reports_capacity(tmp_path):
     assert "KV cache size" in Path(server.log_path).read_text()
 
 
+def kv_too_small_params() -> ServerParams:
+    """A max-model-len whose KV cache cannot fit, at a gmu that leaves ~0.35 GiB for KV cache.
+
+    On the CPU build gmu is a fraction of the memory node's total, which moves on this (virtual,
+    shared) box between 9 and 14 GiB, so gmu is derived from the total vLLM will see: ~0.75 GiB of
+    runtime + ~0.35 GiB of KV cache. 262144 tokens of the tiny model need 1 GiB, so the launch fails
+    by a wide margin either way and the estimated length (~90k) lies well inside (2048, 262144)."""
+    from vllm.utils.cpu_resource_utils import get_memory_node_info
+    total_gib = get_memory_node_info(0).total_memory / 2**30
+    return ServerParams(gpu_memory_utilization=round(1.1 / total_gib, 3), max_model_len=262144, max_num_seqs=4)
+
+
+LONG_LEN_ENV = (("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1"),)   # the tiny model's own limit is 32768
+
+
 def test_max_model_len_that_does_not_fit_is_kv_cache_too_small(tmp_path):
-    # 131072 tokens of the tiny model need ~0.5 GiB of KV cache; gmu 0.11 of this box's ~10 GiB
-    # leaves ~0.3 GiB after ~0.75 GiB of runtime, so the length fails by a wide margin either side
-    params = ServerParams(gpu_memory_utilization=0.11, max_model_len=131072, max_num_seqs=4)
-    env = (("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1"),)   # the tiny model's own limit is 32768
-    with ServerProcess(spec(tmp_path, params, env)) as server:
+    with ServerProcess(spec(tmp_path, kv_too_small_params(), LONG_LEN_ENV)) as server:
         server.start()
         outcome = server.wait_ready()
         pgid = server.pgid
-    assert isinstance(outcome, LaunchFailure)
+    assert isinstance(outcome, LaunchFailure), outcome
     assert outcome.kind == "kv_cache_too_small", outcome.log_tail
     assert outcome.needed_gib > outcome.available_gib > 0
-    assert 2048 < outcome.estimated_max_model_len < 131072
+    assert 2048 < outcome.estimated_max_model_len < 262144
     assert group_members(pgid) == []
