@@ -346,3 +346,37 @@ def test_reap_process_group_of_an_earlier_tuner(tmp_path):
     assert server.pid in reaped and set(worker_pids(tmp_path)) <= set(reaped)
     assert group_members(server.pgid) == []
     server.stop()
+
+
+TUNER_LIKE = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from tuner.launcher import LaunchSpec, ServerProcess, install_signal_handlers
+from tuner.space import ServerParams
+install_signal_handlers()
+spec = LaunchSpec(model="tiny", params=ServerParams(), engine_cmd=({python!r}, {fake!r}),
+                  env=(("FAKE_MODE", "stubborn"),), stop_timeout_s=1.0, log_path={log!r})
+with ServerProcess(spec) as server:
+    server.start()
+    open({pgid_file!r}, "w").write(str(server.pgid))
+    while True:
+        time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_tuner_stops_its_server(tmp_path, sig):
+    import subprocess
+    pgid_file = tmp_path / "pgid"
+    code = TUNER_LIKE.format(repo=str(Path(__file__).parent.parent), python=sys.executable, fake=FAKE_VLLM,
+                             log=str(tmp_path / "server.log"), pgid_file=str(pgid_file))
+    tuner = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 30
+    while not (pgid_file.exists() and pgid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pgid = int(pgid_file.read_text())
+    time.sleep(0.5)
+    assert group_members(pgid)
+    tuner.send_signal(sig)
+    tuner.wait(30)
+    assert group_members(pgid) == []

@@ -34,6 +34,7 @@ def test_config_that_fits_starts_and_reports_capacity(tmp_path):
     assert outcome.num_gpu_blocks and outcome.block_size
     assert dict(outcome.cache_config)["gpu_memory_utilization"] == "0.1"
     assert 0 < outcome.ready_s < 600
+    print(f"\nready in {outcome.ready_s:.1f} s: {outcome}")
     assert group_members(pgid) == []
     assert "KV cache size" in Path(server.log_path).read_text()
 
@@ -63,3 +64,5 @@ def test_max_model_len_that_does_not_fit_is_kv_cache_too_small(tmp_path):
     assert outcome.needed_gib > outcome.available_gib > 0
     assert 2048 < outcome.estimated_max_model_len < 262144
     assert group_members(pgid) == []
+    print(f"\nverdict after {outcome.verdict_s:.1f} s: {outcome.kind}, "
+          f"estimated max model len {outcome.estimated_max_model_len}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import http.client
 import importlib.metadata
 import os
@@ -493,7 +494,7 @@ class ServerProcess:
         self._scan_from = 0                      # offset of the first line not yet checked for fatal lines
         self._marker_seen_at: float | None = None
         self._stopped = False
-        self._stop_lock = threading.Lock()
+        self._stop_lock = threading.RLock()
 
     @property
     def returncode(self) -> int | None:
@@ -563,10 +564,9 @@ class ServerProcess:
         # core, ignores SIGTERM for tens of seconds
         self.stop(term_timeout_s=self.failed_stop_timeout_s)
         text = self.read_log()
-        failure = LaunchFailure(**{**failure.__dict__, "verdict_s": verdict_s,
-                                   "exit_code": failure.exit_code if failure.exit_code is not None
-                                   else self.returncode,
-                                   "log_tail": log_tail(text)})
+        failure = dataclasses.replace(
+            failure, verdict_s=verdict_s, log_tail=log_tail(text),
+            exit_code=failure.exit_code if failure.exit_code is not None else self.returncode)
         self.failure = failure
         return failure
 
@@ -591,7 +591,7 @@ class ServerProcess:
                 text = self.read_log()
                 failure = classify(text) or LaunchFailure(
                     kind="crashed", message=_root_cause(text) or f"server exited with code {code}")
-                return self._fail(LaunchFailure(**{**failure.__dict__, "exit_code": code}))
+                return self._fail(dataclasses.replace(failure, exit_code=code))
             status, _ = _http_get(host, port, "/health", {}, timeout_s=2.0)
             if status == 200:
                 models_status, _ = _http_get(host, port, "/v1/models", headers, timeout_s=5.0)
@@ -614,21 +614,22 @@ class ServerProcess:
         """Stop the whole process group, survivors included. Idempotent.
 
         `term_timeout_s` (default `spec.stop_timeout_s`) is the SIGTERM grace before SIGKILL."""
+        # RLock: a signal handler calling stop_all() may interrupt a stop() of the same thread.
+        # `_stopped` is set only once the group is gone, so an interrupted stop is retried by
+        # stop_all() (atexit) instead of leaving the server unregistered and alive.
         with self._stop_lock:
             if self._stopped or self._proc is None:
                 return
-            self._stopped = True
+            kill_group(self.pgid, self.spec.stop_timeout_s if term_timeout_s is None else term_timeout_s)
             try:
-                kill_group(self.pgid, self.spec.stop_timeout_s if term_timeout_s is None else term_timeout_s)
-                try:
-                    self._proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
-            finally:
-                if self._log_file is not None:
-                    self._log_file.close()
-                with _LIVE_LOCK:
-                    _LIVE.discard(self)
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            self._stopped = True
+            if self._log_file is not None:
+                self._log_file.close()
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
 
     def close(self) -> None:
         self.stop()
