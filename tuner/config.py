@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import shlex
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -235,7 +236,9 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         if not isinstance(v, str):
             raise _fail(source, f"server.env.{k}", "values must be strings")
     for k in env:
-        if "KEY" in k.upper() or "TOKEN" in k.upper():
+        # names that hold secrets (VLLM_API_KEY, HF_TOKEN, ..._SECRET), not every name with
+        # TOKEN in it: TOKENIZERS_PARALLELISM is a setting
+        if re.search(r"(^|_)(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD)S?$", k.upper()):
             raise _fail(source, f"server.env.{k}", "secrets do not belong in a study file",
                         "export it in the environment instead; it is passed through")
 
