@@ -1,0 +1,134 @@
+"""A fake OpenAI-compatible server run as a real process in place of vLLM (`engine = [python, this]`).
+
+It takes vLLM's flags (`--model`, `--host`, `--port`, anything else is ignored), answers /health,
+/v1/models, /tokenize, /detokenize and /metrics like vLLM, and serves /v1/completions as a
+streaming endpoint. FAKE_MODE (environment) picks how completions misbehave:
+
+  ok          well-formed SSE: one token per chunk, a usage chunk, [DONE]
+  http500     every completion answers HTTP 500 with vLLM's error JSON
+  drop        the connection is closed after the headers and one chunk
+  garbage     the stream carries a `data:` line that is not JSON
+  truncated   the stream stops (cleanly) without usage or [DONE]
+  hang_health /health accepts the connection and never answers (the server never becomes ready)
+  port_taken  the port is bound by someone else first: the bind fails with the real OSError
+  port_taken_once   like port_taken on the first launch (FAKE_STATE file marks it), then ok
+
+FAKE_START_DELAY and FAKE_STREAM_DELAY (seconds) widen the launch and load windows.
+Startup prints uvicorn's lines so logs look like vLLM's.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import time
+
+from aiohttp import web
+
+MODE = os.environ.get("FAKE_MODE", "ok")
+START_DELAY_S = float(os.environ.get("FAKE_START_DELAY", "0"))   # before the server answers
+TOKEN_DELAY_S = float(os.environ.get("FAKE_STREAM_DELAY", "0.001"))  # between streamed tokens
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+async def health(request):
+    if MODE == "hang_health":
+        await asyncio.sleep(3600)
+    return web.Response(text="")
+
+
+async def models(request):
+    return web.json_response({"object": "list", "data": [{"id": request.app["model"], "object": "model"}]})
+
+
+async def tokenize(request):
+    body = await request.json()
+    words = body.get("prompt", "").split()
+    ids = [int(w[1:]) if w[1:].isdigit() else 7 for w in words]
+    if body.get("add_special_tokens", True):
+        ids = [1] + ids
+    return web.json_response({"count": len(ids), "tokens": ids, "max_model_len": 4096})
+
+
+async def detokenize(request):
+    body = await request.json()
+    return web.json_response({"prompt": " ".join(f"w{i}" for i in body.get("tokens", []) if i < 4096)})
+
+
+async def metrics(request):
+    return web.Response(text='vllm:num_requests_running{engine="0"} 0.0\n')
+
+
+def chunk(payload) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+async def completions(request):
+    body = await request.json()
+    say('INFO:     127.0.0.1 - "POST /v1/completions HTTP/1.1" ' + ("500" if MODE == "http500" else "200"))
+    if MODE == "http500":
+        return web.json_response({"object": "error", "message": "EngineCore encountered an issue",
+                                  "type": "InternalServerError", "code": 500}, status=500)
+    n = int(body.get("max_tokens", 8))
+    prompt_tokens = len(str(body.get("prompt", "")).split()) + 1
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(chunk({"choices": [{"index": 0, "text": " w1"}]}))
+    if MODE == "drop":
+        await asyncio.sleep(0.01)
+        request.transport.close()   # mid-stream: no chunked terminator, no [DONE]
+        return resp
+    if MODE == "garbage":
+        await resp.write(b"data: {this is not json\n\n")
+    for _ in range(n - 1):
+        await asyncio.sleep(TOKEN_DELAY_S)
+        await resp.write(chunk({"choices": [{"index": 0, "text": " w2"}]}))
+    if MODE == "truncated":
+        await resp.write_eof()
+        return resp
+    await resp.write(chunk({"choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                     "completion_tokens": n}}))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="fake")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args, _ = parser.parse_known_args()
+    say(f"INFO:     fake OpenAI server mode={MODE} argv={sys.argv[1:]}")
+    squatter = None
+    mode = MODE
+    if mode == "port_taken_once":
+        state = os.environ["FAKE_STATE"]
+        mode = "ok" if os.path.exists(state) else "port_taken"
+        open(state, "a").close()
+    if mode == "port_taken":
+        squatter = socket.socket()
+        squatter.bind((args.host, args.port))
+        squatter.listen()
+    app = web.Application()
+    app["model"] = args.model
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/completions", completions)
+    time.sleep(START_DELAY_S)
+    say("INFO:     Started server process")
+    say("INFO:     Waiting for application startup.")
+    say("INFO:     Application startup complete.")
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""Fault scenarios shared by tests/test_faults.py and bench/faults.py: studies on fake or real
+engines, a real `python -m tuner run` killed at a chosen moment, and the figures that say whether
+anything was orphaned or lost.
+
+Processes are told apart by what this kit started, never by a broad name: the process groups the
+study recorded (`server_pgid` of every trial) and command lines holding this run's unique model
+folder (a private copy of the tiny model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+FAKE_OPENAI = TESTS / "fake_openai_server.py"
+FAKE_VLLM = TESTS / "fake_vllm.py"
+LOGS = TESTS / "data" / "logs"
+
+
+def private_model(folder: Path) -> Path:
+    """A copy of the embedded tiny model under a unique name: its path marks our servers' argv."""
+    from tuner.presets import TINY_MODEL
+
+    dest = Path(folder) / f"fault-model-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(TINY_MODEL, dest)
+    return dest
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(v)
+
+
+def to_toml(doc: dict) -> str:
+    out = []
+    for table, body in doc.items():
+        out.append(f"[{table}]")
+        out += [f"{k} = {toml_value(v)}" for k, v in body.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def fake_engine_study(model: Path, mode: str = "ok", name: str = "faults", trials_space: str = "small",
+                      env: dict | None = None, launch_timeout_s: float = 30.0,
+                      engine: tuple[str, ...] | None = None, output_tokens: int = 4) -> dict:
+    """A study document whose engine is the fake OpenAI server (or `engine`)."""
+    return {
+        "study": {"name": name, "sampler": "random", "seed": 1, "memory_model": False},
+        "model": {"path": str(model)},
+        "server": {"engine": list(engine or (sys.executable, str(FAKE_OPENAI))),
+                   "env": {"FAKE_MODE": mode, **(env or {})}, "launch_timeout_s": launch_timeout_s},
+        "space": {"gpu_memory_utilization": {"low": 0.1, "high": 0.9, "step": 0.1},
+                  "max_model_len": {"choices": [1024, 2048]},
+                  "max_num_seqs": {"choices": [1, 2, 4]}},
+        "workload": {"prompt_tokens": 8, "output_tokens": output_tokens, "warmup_requests": 1,
+                     "single_stream_requests": 2, "throughput_requests": 4, "max_concurrency": 4,
+                     "request_timeout_s": 10.0},
+    }
+
+
+def real_vllm_study(model: Path, name: str = "faults-vllm") -> dict:
+    """The tiny model on the real CPU build, in a corner of the space where every config fits."""
+    return {
+        "study": {"name": name, "sampler": "random", "seed": 3, "memory_model": False},
+        "model": {"path": str(model)},
+        "server": {"extra_args": ["--enforce-eager"], "launch_timeout_s": 300.0},
+        "space": {"gpu_memory_utilization": {"low": 0.1, "high": 0.12, "step": 0.01},
+                  "max_model_len": {"choices": [1024]},
+                  "max_num_seqs": {"choices": [4, 8]}},
+        "workload": {"prompt_tokens": 32, "output_tokens": 32, "warmup_requests": 2,
+                     "single_stream_requests": 3, "throughput_requests": 24, "max_concurrency": 8,
+                     "request_timeout_s": 120.0},
+    }
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2:].split()
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def leftovers(pgids, markers, exclude=()) -> list[tuple[int, str]]:
+    """Live processes in one of `pgids`, or whose command line holds one of `markers`."""
+    pgids = {str(int(p)) for p in pgids if p}
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in exclude or int(entry) == os.getpid():
+            continue
+        st = _stat(int(entry))
+        if not st or st[0] in ("Z", "X"):
+            continue
+        line = cmdline(int(entry))
+        if st[2] in pgids or any(m and m in line for m in markers):
+            found.append((int(entry), line[:160]))
+    return found
+
+
+# ---------------------------------------------------------------- the study in storage
+
+
+def trials(storage: str, name: str) -> list:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    for _ in range(20):
+        try:
+            return optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+        except KeyError:
+            return []
+        except Exception:  # the tuner is writing: sqlite says "locked" now and then
+            time.sleep(0.2)
+    return []
+
+
+def recorded_pgids(storage: str, name: str) -> set[int]:
+    return {int(t.user_attrs["server_pgid"]) for t in trials(storage, name)
+            if t.user_attrs.get("server_pgid")}
+
+
+def completed(storage: str, name: str) -> dict[int, tuple]:
+    from optuna.trial import TrialState
+
+    return {t.number: tuple(t.values) for t in trials(storage, name) if t.state == TrialState.COMPLETE}
+
+
+def launched(storage: str, name: str) -> int:
+    from optuna.trial import TrialState
+
+    return sum(1 for t in trials(storage, name) if t.state == TrialState.COMPLETE
+               and t.user_attrs.get("failure") not in ("duplicate", "predicted_infeasible"))
+
+
+# ---------------------------------------------------------------- a real tuner, killed on cue
+
+
+@dataclass
+class TunerRun:
+    study_file: Path
+    storage: str
+    results: Path
+    name: str
+    trials: int
+    marker: str                        # our model folder: in every server argv we start
+    timeout_s: float = 600.0
+    log: list[str] = field(default_factory=list)
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "tuner", "run", "--study", str(self.study_file), "--trials",
+                str(self.trials), "--name", self.name, "--storage", self.storage, "--results",
+                str(self.results), "--quiet"]
+
+    def start(self, stderr_path: Path) -> subprocess.Popen:
+        out = open(stderr_path, "ab")
+        # its own session: a signal meant for it reaches it alone (as one typed at its terminal
+        # would reach it, its servers being in sessions of their own)
+        return subprocess.Popen(self.argv(), cwd=REPO, stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    def running_trial(self, pid: int | None = None):
+        """The trial the tuner `pid` is working on (a SIGKILLed tuner leaves its own RUNNING)."""
+        from optuna.trial import TrialState
+
+        running = [t for t in trials(self.storage, self.name) if t.state == TrialState.RUNNING
+                   and (pid is None or t.user_attrs.get("tuner_pid") == pid)]
+        return running[-1] if running else None
+
+    def server_log(self, trial) -> str:
+        try:
+            return (self.results / self.name / "trials" / str(trial.number) / "server.log").read_text(
+                errors="replace")
+        except OSError:
+            return ""
+
+    def wait_phase(self, proc: subprocess.Popen, phase: str, min_completed: int,
+                   timeout_s: float) -> bool:
+        """Until the tuner is launching a server (`launch`) or load-testing it (`load`), with at
+        least `min_completed` trials finished. False when the tuner exited or time ran out."""
+        deadline = time.monotonic() + timeout_s
+        seen_at = None
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return False
+            t = self.running_trial(proc.pid)
+            if t is not None and t.user_attrs.get("server_pgid") and \
+                    len(completed(self.storage, self.name)) >= min_completed:
+                text = self.server_log(t)
+                ready = "Application startup complete" in text
+                if phase == "launch" and not ready and text:
+                    seen_at = seen_at or time.monotonic()
+                    if time.monotonic() - seen_at > 1.0:   # the server is well into its start
+                        return True
+                if phase == "load" and "POST /v1/completions" in text:
+                    return True
+            time.sleep(0.2)
+        return False
+
+
+@dataclass
+class Figures:
+    scenario: str
+    exit_code: int | None
+    orphans: int                 # processes of ours alive once the dust settled
+    lost_completed: int          # trials COMPLETE before the fault and not COMPLETE (same values) after
+    left_behind: int = 0         # servers alive right after a SIGKILLed tuner (the next run must stop them)
+    reaped_by_next_run: bool | None = None
+    note: str = ""
+
+
+SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL}
+
+
+def kill_chain(run: TunerRun, scenarios: list[tuple[str, str]], workdir: Path,
+               on_final_load=None) -> tuple[list[Figures], dict]:
+    """Run the same `python -m tuner run` command again and again, killing it with each
+    (signal, phase) in turn, then once more to the end. Returns the figures per scenario and a
+    summary of the final run (exit code, launched trials, orphans, reached).
+
+    `on_final_load(trial, run)` is called once the final run is load-testing (e.g. to SIGKILL the
+    server itself mid-load)."""
+    figures: list[Figures] = []
+    stderr_path = workdir / "tuner-stderr.log"
+    pending_reap: list[Figures] = []          # SIGKILL scenarios whose servers the next run must stop
+    pending_pgids: set[int] = set()
+    for i, (sig_name, phase) in enumerate(scenarios):
+        before = completed(run.storage, run.name)
+        proc = run.start(stderr_path)
+        ok = run.wait_phase(proc, phase, min_completed=1, timeout_s=run.timeout_s)
+        if pending_reap:
+            # the run has launched a new server (or ended): the old one must be gone by now
+            alive = leftovers(pending_pgids, [])
+            for f in pending_reap:
+                f.reaped_by_next_run = not alive
+                f.note += f"alive when the next run launched: {alive}" if alive else ""
+            pending_reap, pending_pgids = [], set()
+        if not ok:
+            proc.kill()
+            proc.wait()
+            figures.append(Figures(f"{sig_name} during {phase}", proc.returncode, -1, -1,
+                                   note="phase not reached: " + _tail(stderr_path)))
+            continue
+        sig_pgids = recorded_pgids(run.storage, run.name)
+        os.kill(proc.pid, SIGNALS[sig_name])
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        pgids = recorded_pgids(run.storage, run.name) | sig_pgids
+        after = completed(run.storage, run.name)
+        lost = sum(1 for n, v in before.items() if after.get(n) != v)
+        if sig_name == "SIGKILL":
+            time.sleep(0.5)
+            behind = leftovers(pgids, [run.marker])
+            f = Figures(f"{sig_name} during {phase}", code, 0, lost, left_behind=len(behind))
+            pending_reap.append(f)
+            pending_pgids |= {pid for pid, _ in behind} | pgids
+        else:
+            alive = leftovers(pgids, [run.marker])
+            f = Figures(f"{sig_name} during {phase}", code, len(alive), lost,
+                        note=f"alive: {alive}" if alive else "")
+        figures.append(f)
+
+    before = completed(run.storage, run.name)
+    proc = run.start(stderr_path)
+    if on_final_load is not None:
+        if run.wait_phase(proc, "load", min_completed=0, timeout_s=run.timeout_s):
+            on_final_load(run.running_trial(proc.pid), run)
+    try:
+        code = proc.wait(timeout=run.timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    for f in pending_reap:
+        f.reaped_by_next_run = not leftovers(pending_pgids, [])
+    after = completed(run.storage, run.name)
+    pgids = recorded_pgids(run.storage, run.name)
+    final = {"exit_code": code, "launched": launched(run.storage, run.name), "requested": run.trials,
+             "orphans": len(leftovers(pgids, [run.marker])),
+             "lost_completed": sum(1 for n, v in before.items() if after.get(n) != v),
+             "stderr_tail": _tail(stderr_path)}
+    final["reached"] = final["launched"] >= run.trials
+    # the orphans of the SIGKILL scenarios are counted once the next run had its chance
+    for f in figures:
+        if f.reaped_by_next_run is not None:
+            f.orphans = 0 if f.reaped_by_next_run else f.left_behind
+    return figures, final
+
+
+def _tail(path: Path, n: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def write_study(folder: Path, doc: dict, name: str = "study.toml") -> Path:
+    path = Path(folder) / name
+    path.write_text(to_toml(doc))
+    return path
