@@ -324,13 +324,13 @@ class Tuner:
 
     def baselines(self) -> list[tuple[str, dict]]:
         """vLLM's defaults and the hand-tuned config, snapped into the space, then the study's own."""
-        max_len = None
-        config_json = Path(self.model) / "config.json"
-        if config_json.exists():
-            max_len = json.loads(config_json.read_text()).get("max_position_embeddings")
-        builtin = [("vllm-defaults", {"gpu_memory_utilization": 0.9, "max_model_len": max_len,
-                                      "max_num_seqs": 256, "max_num_batched_tokens": 8192,
-                                      "enforce_eager": False, "kv_cache_dtype": "auto"}),
+        defaults = {"gpu_memory_utilization": 0.9, "max_model_len": None, "max_num_seqs": 256,
+                    "max_num_batched_tokens": 8192, "enforce_eager": False, "kv_cache_dtype": "auto"}
+        if self.memory_model is not None:  # what this vLLM picks on this device, model and flags
+            r = self.memory_model.resolve(space.ServerParams())
+            defaults.update(max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
+                            max_num_batched_tokens=r.max_num_batched_tokens)
+        builtin = [("vllm-defaults", defaults),
                    ("hand-tuned", {"gpu_memory_utilization": 0.92, "max_model_len": 4096,
                                    "max_num_seqs": 8, "max_num_batched_tokens": 8192,
                                    "enforce_eager": False, "kv_cache_dtype": "auto"})]
@@ -381,17 +381,18 @@ class Tuner:
         a = t.user_attrs
         launched = space.params_from({**t.params, "gpu_memory_utilization": a.get(
             "launch_gpu_memory_utilization", t.params.get("gpu_memory_utilization"))})
+        device = a.get("device_memory_bytes")
         if a.get("kv_cache_tokens"):
             cap = Capacity(**{f.name: a[f.name] for f in fields(Capacity)
                               if f.name in a and f.name != "cache_config"})
-            self.memory_model.observe_ready(launched, cap)
+            self.memory_model.observe_ready(launched, cap, device_memory_bytes=device)
         elif a.get("failure") and a.get("failure") not in SKIPPED_KINDS + ("interrupted",):
             failure = LaunchFailure(kind=a["failure"], message=a.get("failure_message", ""),
                                     needed_gib=a.get("needed_gib"),
                                     available_gib=a.get("available_gib"),
                                     estimated_max_model_len=a.get("estimated_max_model_len"))
             if failure.is_memory:
-                self.memory_model.observe_failure(launched, failure)
+                self.memory_model.observe_failure(launched, failure, device_memory_bytes=device)
 
     # -- counting
 
@@ -428,6 +429,8 @@ class Tuner:
             common["launch_gpu_memory_utilization"] = launch_params.gpu_memory_utilization
             common["memory_budget_gib"] = self.cfg.memory_budget_gib
         prediction = self.predict(launch_params)
+        if self.memory_model is not None:
+            common["device_memory_bytes"] = self.memory_model.device_memory_bytes
         if prediction is not None:
             common.update({f"predicted_{k}": v for k, v in _flat("", prediction).items()})
             if not prediction.fits and not prediction.uncertain:
@@ -488,9 +491,18 @@ class Tuner:
         share = params.gpu_memory_utilization or 0.9
         gpu.check_gpu_free(int(share * self.platform.memory_total_bytes))
 
+    def device_memory_bytes(self) -> int:
+        """The device total now: on the CPU build it is the memory node's, which moves with the host."""
+        if self.platform.kind == "cpu":
+            from tuner import feasibility
+
+            return feasibility.device_memory_bytes("cpu")
+        return self.platform.memory_total_bytes
+
     def predict(self, params: space.ServerParams):
         if self.memory_model is None:
             return None
+        self.memory_model.device_memory_bytes = self.device_memory_bytes()
         return self.memory_model.predict(params)
 
     def roofline(self, outcome: TrialOutcome) -> dict:
