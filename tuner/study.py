@@ -330,6 +330,9 @@ class Tuner:
             r = self.memory_model.resolve(space.ServerParams())
             defaults.update(max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
                             max_num_batched_tokens=r.max_num_batched_tokens)
+        elif (Path(self.model) / "config.json").exists():
+            config = json.loads((Path(self.model) / "config.json").read_text())
+            defaults["max_model_len"] = config.get("max_position_embeddings")
         builtin = [("vllm-defaults", defaults),
                    ("hand-tuned", {"gpu_memory_utilization": 0.92, "max_model_len": 4096,
                                    "max_num_seqs": 8, "max_num_batched_tokens": 8192,
