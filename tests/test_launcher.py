@@ -356,11 +356,14 @@ from tuner.space import ServerParams
 install_signal_handlers()
 spec = LaunchSpec(model="tiny", params=ServerParams(), engine_cmd=({python!r}, {fake!r}),
                   env=(("FAKE_MODE", "stubborn"),), stop_timeout_s=1.0, log_path={log!r})
-with ServerProcess(spec) as server:
-    server.start()
-    open({pgid_file!r}, "w").write(str(server.pgid))
-    while True:
-        time.sleep(0.1)
+try:
+    with ServerProcess(spec) as server:
+        server.start()
+        open({pgid_file!r}, "w").write(str(server.pgid))
+        while True:
+            time.sleep(0.1)
+except KeyboardInterrupt:
+    sys.exit(130)
 """
 
 
