@@ -274,10 +274,13 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     if sampler not in SAMPLERS:
         raise _fail(source if "sampler" not in overrides else "--sampler", "study.sampler",
                     f"unknown sampler {sampler!r}", "choose " + ", ".join(SAMPLERS))
-    timeout = overrides.get("launch_timeout_s") or server.get("launch_timeout_s", 600.0)
+    # `is None`, not `or`: --launch-timeout 0 is an error to report, not "use the file's value"
+    timeout = overrides.get("launch_timeout_s")
+    timeout = server.get("launch_timeout_s", 600.0) if timeout is None else timeout
     if timeout <= 0:
         raise _fail(source, "server.launch_timeout_s", f"must be > 0, got {timeout}")
-    budget = overrides.get("memory_budget_gib") or server.get("memory_budget_gib")
+    budget = overrides.get("memory_budget_gib")
+    budget = server.get("memory_budget_gib") if budget is None else budget
     if budget is not None and budget <= 0:
         raise _fail(source, "server.memory_budget_gib", f"must be > 0, got {budget}")
     confirm = overrides.get("confirm", study.get("confirm", 0))
