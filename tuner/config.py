@@ -231,6 +231,9 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         value = overrides.get(key, server.get(key, []))
         return tuple(shlex.split(value) if isinstance(value, str) else map(str, value))
 
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in argv("extra_args")):
+        raise _fail(source, "server.extra_args", "--api-key would be written to every log and "
+                    "result", "export VLLM_API_KEY instead; vLLM and the load test read it from there")
     env = server.get("env", {})
     for k, v in env.items():
         if not isinstance(v, str):
