@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -508,8 +509,12 @@ def new_session(concurrency: int, trust_env: bool = False) -> aiohttp.ClientSess
     trust_env stays off: with it aiohttp looks up proxies and .netrc on every request, which adds
     about 2 ms to each TTFT on this machine (vLLM's benchmark client turns it on).
     """
+    # vLLM started with VLLM_API_KEY in its environment refuses /v1/* without the key; the key
+    # comes from the tuner's environment only (study files may not hold it) and is never logged
+    key = os.environ.get("VLLM_API_KEY")
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 4), trust_env=trust_env,
-                                 timeout=aiohttp.ClientTimeout(total=None))
+                                 timeout=aiohttp.ClientTimeout(total=None),
+                                 headers={"Authorization": f"Bearer {key}"} if key else None)
 
 
 async def run_load_test_async(base_url: str, model: str, workload: Workload, max_num_seqs: int | None,
