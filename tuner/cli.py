@@ -88,8 +88,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad command-line values end as one line, like every other error (not usage + error)."""
+
+    def error(self, message: str):
+        self.exit(2, f"tuner: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m tuner", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Pareto autotuner for vLLM launch flags: launches real servers with candidate "
                     "--gpu-memory-utilization / --max-model-len / --max-num-seqs, load-tests them "
