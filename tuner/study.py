@@ -7,6 +7,7 @@ import os
 import shlex
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -125,8 +126,14 @@ def check_results_dir(cfg: StudyConfig) -> None:
             raise TunerError(f"results folder {folder} belongs to study {owner.get('study')!r} "
                              f"({owner.get('storage')}): pass --results DIR or --name NAME")
     probe = folder if folder.exists() else next((p for p in folder.parents if p.exists()), Path("."))
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise TunerError(f"results folder {folder} is not writable: pass --results DIR")
+    # try it rather than ask os.access, which says yes to root on sysfs, read-only binds and the
+    # like; the probe folder is removed at once, so a refused run still writes nothing
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(str(probe))
+        os.rmdir(tempfile.mkdtemp(prefix=".tuner-probe-", dir=probe))
+    except OSError:
+        raise TunerError(f"results folder {folder} is not writable: pass --results DIR") from None
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
