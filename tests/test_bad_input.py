@@ -1,0 +1,210 @@
+"""Bad input to `python -m tuner run`: exit code 2, one line on stderr naming the problem and the
+fix, nothing written (no results folder, no database) and nothing launched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import faultkit as fk
+
+# An engine that leaves a mark if it is ever started.
+ENGINE = "import pathlib, sys; pathlib.Path(sys.argv[0]).with_name('LAUNCHED').touch()"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return fk.private_model(tmp_path_factory.mktemp("model"))
+
+
+def good_doc(tmp_path, model) -> dict:
+    engine = tmp_path / "engine.py"
+    engine.write_text(ENGINE)
+    doc = fk.fake_engine_study(model, engine=(sys.executable, str(engine)))
+    doc["study"]["name"] = "bad"
+    return doc
+
+
+def run_cli(tmp_path, study_text: str | None = None, extra: list[str] = (), results=None,
+            storage=None):
+    study = tmp_path / "study.toml"
+    if study_text is not None:
+        study.write_text(study_text)
+    results = results or tmp_path / "results"
+    storage = storage or f"sqlite:///{tmp_path}/db/bad.db"
+    argv = [sys.executable, "-m", "tuner", "run", "--study", str(study), "--trials", "2",
+            "--results", str(results), "--storage", storage, *extra]
+    p = subprocess.run(argv, cwd=fk.REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(fk.REPO)})
+    return p
+
+
+def assert_refused(tmp_path, p, *words, results=None):
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    line = lines[0]
+    assert line.startswith("tuner: error: ")
+    for w in words:
+        assert w in line, (w, line)
+    assert p.stdout == ""
+    if results is None:
+        assert not (tmp_path / "results").exists()         # no results folder
+    assert not (tmp_path / "db").exists()                 # no database, not even its folder
+    assert not (tmp_path / "LAUNCHED").exists()            # the engine never ran
+    return line
+
+
+def with_(doc: dict, table: str, **values) -> dict:
+    doc = json.loads(json.dumps(doc))
+    doc.setdefault(table, {}).update(values)
+    return doc
+
+
+# ---------------------------------------------------------------- the study file
+
+
+def test_the_good_study_runs(tmp_path, model):
+    # the baseline every case below spoils: it gets as far as launching the engine
+    p = run_cli(tmp_path, fk.to_toml(good_doc(tmp_path, model)))
+    assert (tmp_path / "LAUNCHED").exists(), p.stderr
+
+
+def test_malformed_toml(tmp_path, model):
+    text = fk.to_toml(good_doc(tmp_path, model)).replace("[space]", "[space")
+    line = assert_refused(tmp_path, run_cli(tmp_path, text), "study.toml", "malformed TOML", "line")
+    assert "line" in line
+
+
+def test_study_file_missing(tmp_path):
+    assert_refused(tmp_path, run_cli(tmp_path, None), "study file not found", "--study")
+
+
+@pytest.mark.parametrize("table,key,value,words", [
+    ("server", "hots", "0.0.0.0", ["server.hots", "unknown key", "host"]),
+    ("workload", "prompt_token", 8, ["workload.prompt_token", "unknown key", "prompt_tokens"]),
+    ("study", "trials", 3, ["study.trials", "unknown key"]),
+])
+def test_unknown_keys(tmp_path, model, table, key, value, words):
+    doc = with_(good_doc(tmp_path, model), table, **{key: value})
+    assert_refused(tmp_path, run_cli(tmp_path, fk.to_toml(doc)), *words)
+
+
+@pytest.mark.parametrize("dim,spec,words", [
+    ("gpu_memory_utilization", {"low": 0.0, "high": 0.5}, ["space.gpu_memory_utilization.low", "(0, 1]"]),
+    ("gpu_memory_utilization", {"low": -0.2, "high": 0.5}, ["gpu_memory_utilization", "(0, 1]"]),
+    ("gpu_memory_utilization", {"low": 0.5, "high": 1.5}, ["space.gpu_memory_utilization.high", "(0, 1]"]),
+    ("gpu_memory_utilization", {"choices": [0.5, 1.2]}, ["gpu_memory_utilization", "1.2"]),
+    ("max_model_len", {"low": -1024, "high": 4096}, ["space.max_model_len.low", "positive"]),
+    ("max_num_seqs", {"choices": [0, 4]}, ["space.max_num_seqs", "positive"]),
+    ("max_model_len", {"low": 4096, "high": 1024}, ["space.max_model_len", "empty range"]),
+    ("max_num_seqs", {"choices": []}, ["space.max_num_seqs.choices", "empty"]),
+    ("max_num_seqs", {"low": 1, "high": 8, "step": 0}, ["space.max_num_seqs.step", "> 0"]),
+])
+def test_out_of_range_space(tmp_path, model, dim, spec, words):
+    doc = good_doc(tmp_path, model)
+    doc["space"][dim] = spec
+    assert_refused(tmp_path, run_cli(tmp_path, fk.to_toml(doc)), *words)
+
+
+@pytest.mark.parametrize("table,key,value,words", [
+    ("workload", "prompt_tokens", -8, ["workload.prompt_tokens", ">= 1"]),
+    ("workload", "output_tokens", 0, ["workload.output_tokens", ">= 1"]),
+    ("workload", "request_timeout_s", -1.0, ["workload.request_timeout_s", "> 0"]),
+    ("server", "launch_timeout_s", 0.0, ["server.launch_timeout_s", "> 0"]),
+    ("server", "extra_args", ["--api-key", "sk-123"], ["server.extra_args", "VLLM_API_KEY"]),
+    ("study", "name", "my study", ["study.name", "letters"]),
+])
+def test_out_of_range_values(tmp_path, model, table, key, value, words):
+    doc = with_(good_doc(tmp_path, model), table, **{key: value})
+    line = assert_refused(tmp_path, run_cli(tmp_path, fk.to_toml(doc)), *words)
+    assert "sk-123" not in line
+
+
+def test_secret_in_the_study_file_is_refused_but_settings_are_not(tmp_path, model):
+    doc = good_doc(tmp_path, model)
+    doc["server"]["env"]["HF_TOKEN"] = "hf_abc"
+    line = assert_refused(tmp_path, run_cli(tmp_path, fk.to_toml(doc)), "server.env.HF_TOKEN",
+                          "export it")
+    assert "hf_abc" not in line
+    from tuner.config import parse_study
+
+    doc = good_doc(tmp_path, model)
+    doc["server"]["env"]["TOKENIZERS_PARALLELISM"] = "false"
+    assert dict(parse_study(doc, "x", {}).env)["TOKENIZERS_PARALLELISM"] == "false"
+
+
+def test_model_path_that_does_not_exist(tmp_path, model):
+    doc = with_(good_doc(tmp_path, model), "model", path=str(tmp_path / "no-such-model"))
+    assert_refused(tmp_path, run_cli(tmp_path, fk.to_toml(doc)), "no-such-model", "does not exist",
+                   "preset:")
+
+
+@pytest.mark.parametrize("engine", [["no-such-vllm-binary", "serve"], ["/opt/nowhere/bin/vllm", "serve"]])
+def test_engine_that_is_not_installed(tmp_path, model, engine):
+    doc = with_(good_doc(tmp_path, model), "server", engine=engine)
+    assert_refused(tmp_path, run_cli(tmp_path, fk.to_toml(doc)), engine[0], "not installed",
+                   "engine")
+
+
+def test_engine_on_the_command_line_that_is_not_installed(tmp_path, model):
+    p = run_cli(tmp_path, fk.to_toml(good_doc(tmp_path, model)), ["--engine", "nope-vllm serve"])
+    assert_refused(tmp_path, p, "nope-vllm", "not installed")
+
+
+# ---------------------------------------------------------------- where results and the study go
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "read-only-filesystem"])
+def test_unwritable_results_folder(tmp_path, model, where):
+    if where == "under-a-file":
+        (tmp_path / "afile").write_text("")
+        results = tmp_path / "afile" / "results"
+    else:
+        results = Path("/sys/tuner-results")
+    p = run_cli(tmp_path, fk.to_toml(good_doc(tmp_path, model)), results=results)
+    assert_refused(tmp_path, p, str(results), "not writable", "--results", results=results)
+    assert not results.exists()
+
+
+@pytest.mark.parametrize("url,words", [
+    ("bogus://nowhere/x", ["bogus://nowhere/x", "cannot be opened", "--storage"]),
+    ("sqlite:////sys/tuner/x.db", ["sqlite:////sys/tuner/x.db", "cannot be opened", "--storage"]),
+    ("postgresql://tuner@127.0.0.1:1/tuner", ["postgresql://", "cannot be opened", "--storage"]),
+])
+def test_storage_that_cannot_be_opened(tmp_path, model, url, words):
+    p = run_cli(tmp_path, fk.to_toml(good_doc(tmp_path, model)), storage=url)
+    assert_refused(tmp_path, p, *words)
+
+
+def test_results_folder_of_another_study(tmp_path, model):
+    folder = tmp_path / "results" / "bad"
+    folder.mkdir(parents=True)
+    owner = json.dumps({"study": "bad", "storage": "sqlite:///elsewhere/other.db"})
+    (folder / "study.json").write_text(owner)
+    p = run_cli(tmp_path, fk.to_toml(good_doc(tmp_path, model)))
+    assert_refused(tmp_path, p, str(folder), "belongs to", "--results", results=tmp_path / "results")
+    assert (folder / "study.json").read_text() == owner       # left as it was
+    assert os.listdir(folder) == ["study.json"]
+
+
+# ---------------------------------------------------------------- the command line
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--trials", "0"], ["--trials", "at least 1"]),
+    (["--trials", "many"], ["--trials", "whole number"]),
+    (["--sampler", "magic"], ["--sampler", "invalid choice"]),
+    (["--launch-timeout", "0"], ["launch_timeout_s", "> 0"]),
+    (["--launch-timeout", "soon"], ["--launch-timeout", "invalid float"]),
+    (["--memory-budget-gib", "-16"], ["memory_budget_gib", "> 0"]),
+    (["--name", "a/b"], ["study.name"]),
+])
+def test_bad_command_line_values(tmp_path, model, args, words):
+    p = run_cli(tmp_path, fk.to_toml(good_doc(tmp_path, model)), args)
+    assert_refused(tmp_path, p, *words)
