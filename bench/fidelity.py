@@ -45,7 +45,10 @@ from tuner.presets import TINY_MODEL  # noqa: E402
 # benchmark module is driven through its own parser and main.
 VLLM_BENCH = """
 import sys
-from vllm.utils.argparse_utils import FlexibleArgumentParser
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:  # older vLLM
+    from vllm.utils import FlexibleArgumentParser
 from vllm.benchmarks.serve import add_cli_args, main
 parser = FlexibleArgumentParser()
 add_cli_args(parser)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run a tuner study on the GPU machine for at most SECONDS, then bring its results back in $OUT.
+# The vLLM bundle must be installed first (../shared/gpu/README.md); a study stopped by the time
+# limit resumes on the next call (SIGINT: the server is stopped, the unfinished trial is re-queued).
+#
+#   bash bench/h200.sh STUDY SECONDS TRIALS     e.g. bash bench/h200.sh h200-full 520 10
+set -u
+study=$1 seconds=$2 trials=$3
+. /tmp/vllm-env.sh
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+python3 -m tuner doctor --study "studies/$study.toml" 2>&1 | tee -a "/tmp/$study.log"
+timeout -k 90 -s INT "$seconds" python3 -m tuner run --study "studies/$study.toml" --trials "$trials" \
+    2>&1 | grep --line-buffered -v -E '^(warmup|single_stream|throughput): ' | tee -a "/tmp/$study.log"
+python3 -m tuner report --study "studies/$study.toml" 2>&1 | tail -2
+python3 -m tuner show --study "studies/$study.toml" 2>&1 | tail -30
+cp "/tmp/$study.log" "results/$study/run.log"
+tar czf "$OUT/$study.tgz" "results/$study" "studies/$study.db"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
