@@ -64,6 +64,16 @@ async def metrics(request):
     return web.Response(text='vllm:num_requests_running{engine="0"} 0.0\n')
 
 
+@web.middleware
+async def api_key(request, handler):
+    """Like vLLM started with VLLM_API_KEY: /v1/* needs `Authorization: Bearer KEY`."""
+    key = os.environ.get("VLLM_API_KEY")
+    if key and request.path.startswith("/v1") and \
+            request.headers.get("Authorization") != f"Bearer {key}":
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    return await handler(request)
+
+
 def chunk(payload) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
@@ -115,7 +125,7 @@ def main() -> None:
         squatter = socket.socket()
         squatter.bind((args.host, args.port))
         squatter.listen()
-    app = web.Application()
+    app = web.Application(middlewares=[api_key])
     app["model"] = args.model
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
