@@ -245,7 +245,9 @@ def test_real_vllm_killed_tuner_and_killed_server(tmp_path, model):
     for f in figures:
         assert not f.note.startswith("phase not reached"), f
         assert f.orphans == 0 and f.lost_completed == 0, f
-        if f.scenario.startswith("SIGKILL"):
+        # SIGKILLed while vLLM starts, the server outlives the tuner and the next run stops it;
+        # SIGKILLed mid-load, vLLM 0.32 (CPU) was seen shutting itself down within 0.5 s
+        if f.scenario == "SIGKILL during launch":
             assert f.left_behind >= 1 and f.reaped_by_next_run, f
     assert final["exit_code"] == 0, final["stderr_tail"]
     assert final["reached"] and final["orphans"] == 0 and final["lost_completed"] == 0
