@@ -1,0 +1,390 @@
+"""Bench: replay samplers against a recorded grid; launches needed to reach 95% of the grid's hypervolume.
+
+The grid (bench/grid.toml, 27 configs of the embedded tiny model on the CPU build) was measured once
+by the tuner itself; bench/data/grid-tiny-cpu.csv is its trials.csv plus the NUMA node total vLLM
+saw at each launch. Here the real `Tuner` runs again, baselines, duplicate handling and memory model
+included, but its `measure` looks the config up in that table instead of launching vLLM. Each run
+stops as soon as the configs launched so far reach 95% of the hypervolume of the whole grid's
+feasible measurements (three objectives, each normalised by the grid's range, reference point at
+the worst value of each), and the number of launches it took is the figure.
+
+    .venv/bin/python bench/search_efficiency.py                       # GP, TPE, random, grid
+    .venv/bin/python bench/search_efficiency.py --samplers tpe random --seeds 20
+    .venv/bin/python bench/search_efficiency.py --no-memory-model
+    .venv/bin/python bench/search_efficiency.py --record /tmp/grid-results/grid-tiny-cpu   # the CSV
+
+Storage and results folders live in a temporary folder per run; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+import re
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import pandas as pd  # noqa: E402
+
+from tuner.config import StudyConfig, load_study  # noqa: E402
+from tuner.errors import TunerError  # noqa: E402
+from tuner.launcher import Capacity, LaunchFailure  # noqa: E402
+from tuner.measure import TrialOutcome  # noqa: E402
+from tuner.metrics import LoadMetrics  # noqa: E402
+from tuner.study import Platform, Tuner  # noqa: E402
+
+STUDY = REPO / "bench" / "grid.toml"
+TABLE = REPO / "bench" / "data" / "grid-tiny-cpu.csv"
+KEYS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs")
+OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
+MAXIMIZE = (True, True, False)
+HV_SHARE = 0.95
+SAMPLERS = ("gp", "tpe", "random", "grid")
+GIB = 2**30
+
+
+def key_of(params) -> tuple:
+    """The table key of a ServerParams or a dict of params."""
+    get = params.get if isinstance(params, dict) else lambda k: getattr(params, k)
+    return (round(float(get("gpu_memory_utilization")), 4), int(get("max_model_len")),
+            int(get("max_num_seqs")))
+
+
+def _clean(value):
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+        return None
+    return value.item() if hasattr(value, "item") else value
+
+
+# ---------------------------------------------------------------- the table
+
+
+@dataclass
+class GridTable:
+    """Recorded outcome per config: {key: row dict}, with the grid's feasible objective ranges."""
+
+    rows: dict
+
+    @classmethod
+    def from_csv(cls, path: Path) -> "GridTable":
+        df = pd.read_csv(path)
+        df = df[df["state"] == "COMPLETE"]
+        rows = {}
+        for _, r in df.iterrows():
+            row = {k: _clean(v) for k, v in r.items()}
+            row["failure"] = row.get("failure") or ""
+            rows[key_of(row)] = row
+        return cls(rows)
+
+    def feasible(self, key) -> bool:
+        row = self.rows[key]
+        return bool(row.get("feasible")) and all(row.get(k) is not None for k in OBJECTIVES)
+
+    def device_memory_bytes(self, key=None) -> int:
+        """What vLLM sized gmu against for this config's launch (the node total drifts), or the
+        median over the table when the config has no figure."""
+        def of(row):
+            for col in ("device_memory_bytes", "node_memory_bytes"):
+                if row.get(col):
+                    return int(row[col])
+            if row.get("gpu_memory_total_gib"):
+                return int(row["gpu_memory_total_gib"] * GIB)
+            return None
+        if key is not None and key in self.rows and of(self.rows[key]):
+            return of(self.rows[key])
+        known = [of(r) for r in self.rows.values() if of(r)]
+        return int(statistics.median(known)) if known else 12 * GIB
+
+    def outcome(self, spec) -> TrialOutcome:
+        p = spec.params
+        key = key_of(p)
+        if key not in self.rows:
+            raise KeyError(f"config {key} is not in the recorded grid")
+        row = self.rows[key]
+        base = TrialOutcome(params=p, argv=("vllm", "serve", spec.model, *p.vllm_flags()),
+                            log_path=spec.log_path, launch_s=row.get("launch_s") or 0.0)
+        kind = row["failure"]
+        if kind and kind != "load_test_failed":
+            return replace(base, failure=LaunchFailure(
+                kind=kind, message=row.get("failure_message") or "",
+                needed_gib=row.get("needed_gib"), available_gib=row.get("available_gib"),
+                estimated_max_model_len=_int(row.get("estimated_max_model_len")),
+                exit_code=_int(row.get("exit_code"))))
+        capacity = Capacity(**{f.name: _typed(f, row.get(f.name)) for f in fields(Capacity)
+                               if f.name != "cache_config" and row.get(f.name) is not None})
+        metrics = LoadMetrics(**{f.name: _typed(f, row.get(f.name)) for f in fields(LoadMetrics)
+                                 if f.name != "error_kinds" and row.get(f.name) is not None})
+        return replace(base, capacity=capacity, metrics=metrics, load_s=row.get("load_s") or 0.0)
+
+
+def _int(v):
+    return None if v is None else int(v)
+
+
+def _typed(f, v):
+    t = str(f.type)
+    if "bool" in t:
+        return bool(v) if not isinstance(v, str) else v == "True"
+    if t.startswith("int"):
+        return int(v)
+    return v
+
+
+def synthetic_table(node_gib: float = 12.0, non_kv_gib: float = 0.72) -> GridTable:
+    """The grid.toml space with CPU-build-like figures, for developing and testing without vLLM."""
+    rows = {}
+    for gmu in (0.05, 0.08, 0.12):
+        for mml in (2048, 8192, 32768):
+            for mns in (1, 4, 16):
+                kv_gib = gmu * node_gib - non_kv_gib
+                tokens = int(kv_gib * GIB / 4096 // 128 * 128) if kv_gib > 0 else 0
+                row = {"gpu_memory_utilization": gmu, "max_model_len": mml, "max_num_seqs": mns,
+                       "state": "COMPLETE", "node_memory_bytes": int(node_gib * GIB)}
+                if kv_gib <= 0:
+                    row.update(failure="no_cache_blocks", feasible=False,
+                               needed_gib=round(kv_gib, 2), available_gib=0.1)
+                elif tokens < mml:
+                    row.update(failure="kv_cache_too_small", feasible=False,
+                               estimated_max_model_len=tokens, available_gib=round(kv_gib, 2),
+                               needed_gib=mml * 4096 / GIB)
+                else:
+                    conc = min(mns, tokens // 96)
+                    row.update(failure="", feasible=True, kv_cache_tokens=tokens,
+                               kv_cache_gib=round(kv_gib, 2), num_gpu_blocks=tokens // 128,
+                               block_size=128, max_concurrency=tokens / mml,
+                               single_stream_tok_s=40.0 - 0.4 * mns - 2e-4 * mml + 5 * gmu,
+                               throughput_tok_s=38.0 * conc ** 0.7 + 30 * gmu,
+                               ttft_ms=60.0 + 25.0 * conc + 1e-3 * mml)
+                rows[key_of(row)] = row
+    return GridTable(rows)
+
+
+# ---------------------------------------------------------------- hypervolume
+
+
+def normaliser(table: GridTable):
+    """Map a row to [0, 1]^3, larger better, 0 = the grid's worst feasible value."""
+    feasible = [table.rows[k] for k in table.rows if table.feasible(k)]
+    lo = [min(r[o] for r in feasible) for o in OBJECTIVES]
+    hi = [max(r[o] for r in feasible) for o in OBJECTIVES]
+
+    def point(row) -> tuple[float, ...]:
+        out = []
+        for j, o in enumerate(OBJECTIVES):
+            span = (hi[j] - lo[j]) or 1.0
+            x = (row[o] - lo[j]) / span
+            out.append(x if MAXIMIZE[j] else 1.0 - x)
+        return tuple(out)
+    return point
+
+
+def hypervolume(points) -> float:
+    """Exact volume of the union of boxes [0, p] (3 objectives, all maximised, reference 0)."""
+    pts = sorted({p for p in points if min(p) > 0}, key=lambda p: -p[2])
+    volume = 0.0
+    for i, p in enumerate(pts):
+        z_next = pts[i + 1][2] if i + 1 < len(pts) else 0.0
+        if p[2] > z_next:
+            volume += (p[2] - z_next) * _area([q[:2] for q in pts[:i + 1]])
+    return volume
+
+
+def _area(points) -> float:
+    area, best_y = 0.0, 0.0
+    ordered = sorted(points, key=lambda p: -p[0])
+    for i, (x, y) in enumerate(ordered):
+        best_y = max(best_y, y)
+        x_next = ordered[i + 1][0] if i + 1 < len(ordered) else 0.0
+        area += (x - x_next) * best_y
+    return area
+
+
+# ---------------------------------------------------------------- replay
+
+
+class Reached(TunerError):
+    """Raised from the fake measure once the target is met, to stop the tuner's loop."""
+
+
+class TableDevice:
+    """A `measure` that answers from the table and follows the hypervolume of what it launched."""
+
+    def __init__(self, table: GridTable, target_hv: float | None):
+        self.table = table
+        self.target_hv = target_hv
+        self.point = normaliser(table)
+        self.launches: list[tuple] = []
+        self.points: list[tuple] = []
+        self.reached_at: int | None = None
+
+    def __call__(self, spec, workload, on_started=None, progress=False) -> TrialOutcome:
+        outcome = self.table.outcome(spec)
+        key = key_of(spec.params)
+        self.launches.append(key)
+        if self.table.feasible(key):
+            self.points.append(self.point(self.table.rows[key]))
+        if self.target_hv is not None and hypervolume(self.points) >= self.target_hv - 1e-12:
+            self.reached_at = len(self.launches)
+            raise Reached("target hypervolume reached")
+        return outcome
+
+
+class ReplayTuner(Tuner):
+    """The real tuner, but the memory model sees the node total each config's launch saw."""
+
+    def __init__(self, cfg: StudyConfig, table: GridTable, measure):
+        self.table = table
+        platform = Platform("cpu", "CPU (vLLM CPU build, replayed)", table.device_memory_bytes(),
+                            None, ("true",), "replay")
+        super().__init__(cfg, measure=measure, platform=platform, progress=False)
+
+    def predict(self, params):
+        if self.memory_model is None:
+            return None
+        self.memory_model.device_memory_bytes = self.table.device_memory_bytes(key_of(params))
+        return self.memory_model.predict(params)
+
+
+@dataclass
+class RunResult:
+    sampler: str
+    seed: int
+    launches: list            # keys in launch order
+    reached_at: int | None    # launches needed for the target, None if never
+    kinds: list               # every finished trial's failure kind ("" = ran), skips included
+    skipped: list             # keys predicted infeasible (not launched)
+
+
+def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
+           max_launches: int | None = None, stop_at_target: bool = True,
+           study_path: Path = STUDY) -> RunResult:
+    """One tuning run of `sampler` against the table, in a throwaway storage."""
+    from optuna.trial import TrialState
+
+    point = normaliser(table)
+    grid_hv = hypervolume([point(table.rows[k]) for k in table.rows if table.feasible(k)])
+    device = TableDevice(table, HV_SHARE * grid_hv if stop_at_target else None)
+    budget = max_launches or len(table.rows)
+    with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
+        cfg = load_study(study_path, {"storage": f"sqlite:///{tmp}/replay.db",
+                                      "results_dir": tmp, "sampler": sampler, "seed": seed})
+        cfg = replace(cfg, use_memory_model=memory_model)
+        tuner = ReplayTuner(cfg, table, device)
+        with contextlib.redirect_stderr(io.StringIO()):
+            try:
+                study = tuner.run(budget)
+            except Reached:
+                study = tuner.study
+        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        kinds = [t.user_attrs.get("failure", "") for t in trials]
+        skipped = [key_of(t.params) for t in trials
+                   if t.user_attrs.get("failure") == "predicted_infeasible"]
+    return RunResult(sampler, seed, device.launches, device.reached_at, kinds, skipped)
+
+
+def spread(values: list[float]) -> str:
+    values = sorted(values)
+    if len(values) < 2:
+        return f"{values[0]:g}" if values else "-"
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return f"IQR {q[0]:g}-{q[2]:g}, range {values[0]:g}-{values[-1]:g}"
+
+
+# ---------------------------------------------------------------- recording the table
+
+
+NODE_TOTAL = [re.compile(r"Auto set \([-\d.]+/([\d.]+)\) GiB for KV cache"),
+              re.compile(r"Available memory on node \d+ \([-\d.]+/([\d.]+) GiB\)")]
+
+
+def record(results: Path, out: Path) -> None:
+    """trials.csv of the grid run, plus the node total vLLM logged at each launch."""
+    df = pd.read_csv(results / "trials.csv")
+    totals = []
+    for n in df["trial"]:
+        log = results / "trials" / str(n) / "server.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        found = None
+        for pattern in NODE_TOTAL:
+            m = pattern.search(text)
+            if m:
+                found = int(float(m.group(1)) * GIB)
+                break
+        totals.append(found)
+    df["node_memory_bytes"] = pd.array(totals, dtype="Int64")
+    df = df.drop(columns=[c for c in ("log_path", "tuner_host", "tuner_pid", "server_pgid",
+                                      "server_port", "command") if c in df.columns])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    print(f"wrote {out}: {len(df)} trials, {int((df['failure'].fillna('') == '').sum())} ran")
+
+
+def load_table(path: str | None) -> GridTable:
+    if path == "synthetic":
+        return synthetic_table()
+    return GridTable.from_csv(Path(path or TABLE))
+
+
+def describe_table(table: GridTable) -> str:
+    kinds: dict[str, int] = {}
+    for row in table.rows.values():
+        kinds[row["failure"] or "ran"] = kinds.get(row["failure"] or "ran", 0) + 1
+    totals = sorted({table.device_memory_bytes(k) for k in table.rows})
+    return (f"{len(table.rows)} configs: " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+            + f"; node total {totals[0] / GIB:.2f}-{totals[-1] / GIB:.2f} GiB")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", help=f"grid CSV (default {TABLE.relative_to(REPO)}; 'synthetic' "
+                                    "for a made-up one)")
+    ap.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=SAMPLERS)
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--gp-seeds", type=int, default=10, help="GP is slow per trial")
+    ap.add_argument("--no-memory-model", action="store_true")
+    ap.add_argument("--record", metavar="RESULTS_DIR",
+                    help="write the table from a grid run's results folder and stop")
+    args = ap.parse_args(argv)
+    if args.record:
+        record(Path(args.record), Path(args.table or TABLE))
+        return 0
+
+    table = load_table(args.table)
+    n = len(table.rows)
+    memory_model = not args.no_memory_model
+    print(f"table: {describe_table(table)}")
+    print(f"memory model {'on' if memory_model else 'off'}; target {HV_SHARE:.0%} of the grid's "
+          f"hypervolume; launches count baselines and failed launches, not duplicates or skips")
+    medians = {}
+    for name in args.samplers:
+        seeds = args.gp_seeds if name == "gp" else args.seeds
+        runs = [replay(table, name, seed, memory_model) for seed in range(seeds)]
+        needed = [r.reached_at if r.reached_at is not None else math.inf for r in runs]
+        reached = [x for x in needed if x != math.inf]
+        med = statistics.median(needed)
+        medians[name] = med
+        print(f"{name:>6}: median {med:g} launches ({med / n:.0%} of {n}), {spread(reached)}; "
+              f"reached in {len(reached)}/{len(runs)} seeds", flush=True)
+    limit = 0.15 * n
+    random_med = medians.get("random")
+    for name, med in medians.items():
+        if name in ("random", "grid"):
+            continue
+        ok_grid = med <= limit
+        ok_random = random_med is not None and med <= random_med / 2
+        print(f"{name}: median {med:g} <= 15% of the grid ({limit:.1f}): {'yes' if ok_grid else 'NO'}; "
+              f"<= half of random's ({'-' if random_med is None else f'{random_med / 2:g}'}): "
+              f"{'yes' if ok_random else 'NO'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
