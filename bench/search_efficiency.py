@@ -11,7 +11,7 @@ the worst value of each), and the number of launches it took is the figure.
     .venv/bin/python bench/search_efficiency.py                       # GP, TPE, random, grid
     .venv/bin/python bench/search_efficiency.py --samplers tpe random --seeds 20
     .venv/bin/python bench/search_efficiency.py --no-memory-model
-    .venv/bin/python bench/search_efficiency.py --record /tmp/grid-results/grid-tiny-cpu   # the CSV
+    .venv/bin/python bench/search_efficiency.py --record /tmp/grid-results/grid-tiny-cpu{,-low}  # the CSV
 
 Storage and results folders live in a temporary folder per run; nothing is left behind.
 """
@@ -305,21 +305,26 @@ NODE_TOTAL = [re.compile(r"Auto set \([-\d.]+/([\d.]+)\) GiB for KV cache"),
               re.compile(r"Available memory on node \d+ \([-\d.]+/([\d.]+) GiB\)")]
 
 
-def record(results: Path, out: Path) -> None:
-    """trials.csv of the grid run, plus the node total vLLM logged at each launch."""
-    df = pd.read_csv(results / "trials.csv")
-    totals = []
-    for n in df["trial"]:
-        log = results / "trials" / str(n) / "server.log"
-        text = log.read_text(errors="replace") if log.exists() else ""
-        found = None
-        for pattern in NODE_TOTAL:
-            m = pattern.search(text)
-            if m:
-                found = int(float(m.group(1)) * GIB)
-                break
-        totals.append(found)
-    df["node_memory_bytes"] = pd.array(totals, dtype="Int64")
+def record(results_dirs: list[Path], out: Path) -> None:
+    """trials.csv of the grid run(s), plus the node total vLLM logged at each launch."""
+    frames = []
+    for results in results_dirs:
+        df = pd.read_csv(results / "trials.csv")
+        df.insert(0, "study", results.name)
+        totals = []
+        for n in df["trial"]:
+            log = results / "trials" / str(n) / "server.log"
+            text = log.read_text(errors="replace") if log.exists() else ""
+            found = None
+            for pattern in NODE_TOTAL:
+                m = pattern.search(text)
+                if m:
+                    found = int(float(m.group(1)) * GIB)
+                    break
+            totals.append(found)
+        df["node_memory_bytes"] = pd.array(totals, dtype="Int64")
+        frames.append(df)
+    df = pd.concat(frames, ignore_index=True)
     df = df.drop(columns=[c for c in ("log_path", "tuner_host", "tuner_pid", "server_pgid",
                                       "server_port", "command") if c in df.columns])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -350,11 +355,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--gp-seeds", type=int, default=10, help="GP is slow per trial")
     ap.add_argument("--no-memory-model", action="store_true")
-    ap.add_argument("--record", metavar="RESULTS_DIR",
-                    help="write the table from a grid run's results folder and stop")
+    ap.add_argument("--record", metavar="RESULTS_DIR", nargs="+",
+                    help="write the table from grid runs' results folders and stop")
     args = ap.parse_args(argv)
     if args.record:
-        record(Path(args.record), Path(args.table or TABLE))
+        record([Path(d) for d in args.record], Path(args.table or TABLE))
         return 0
 
     table = load_table(args.table)
