@@ -31,8 +31,8 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
     rows = []
     for t in study.get_trials(deepcopy=False):
         a = t.user_attrs
-        if a.get("failure") in SKIPPED:
-            continue
+        if a.get("failure") in SKIPPED or t.state == TrialState.WAITING:
+            continue  # repeats of a measured config, and configs queued but never started
         row = {"trial": t.number, "state": t.state.name}
         row.update(t.params)
         feasible = t.state == TrialState.COMPLETE and all(v <= 0 for v in t.constraints.values())
@@ -41,6 +41,9 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
             row.update(dict(zip(OBJECTIVES, t.values)))
         row.update({f"constraint_{k}": v for k, v in t.constraints.items()})
         row.update({k: v for k, v in a.items() if k not in ("failure_log_tail",)})
+        for key, n in sample_counts(study).items():  # trials recorded before counts were kept
+            if t.state == TrialState.COMPLETE:
+                row.setdefault(key, n)
         row.setdefault("failure", "")
         row.setdefault("baseline", "")
         confirm = study.user_attrs.get(f"confirm:{t.number}")
@@ -57,6 +60,17 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
     df["strict_pareto"] = pareto_mask(df, 0.0, use_spread=False) if len(df) else []
     rest = [c for c in df.columns if c not in FIRST_COLUMNS]
     return df[FIRST_COLUMNS + rest].sort_values("trial").reset_index(drop=True)
+
+
+def sample_counts(study) -> dict:
+    """Samples behind each objective's spread, from the study's workload."""
+    from tuner.metrics import THROUGHPUT_WINDOWS
+
+    w = study.user_attrs.get("config", {}).get("workload", {})
+    if not w:
+        return {}
+    return {"single_stream_tok_s_n": w.get("single_stream_requests"),
+            "ttft_ms_n": w.get("throughput_requests"), "throughput_tok_s_n": THROUGHPUT_WINDOWS}
 
 
 def confirm_columns(row: dict, runs: list[dict]) -> dict:
@@ -77,7 +91,9 @@ def pareto_mask(df: pd.DataFrame, tie_tolerance: float, use_spread: bool = True)
 
     a dominates b when a is nowhere worse than b by more than the tie margin and somewhere better
     by more than it. The margin per objective is the larger of `tie_tolerance` times the value and
-    half the larger per-trial spread (when recorded), so differences inside the noise are ties.
+    two standard errors of the figure, estimated from its recorded spread (an IQR over `{k}_n`
+    samples: per-request values for medians, time windows for throughput), so differences inside
+    the noise are ties. Without a sample count the spread is taken as the error itself.
     """
     feasible = df["feasible"].astype(bool) & df[list(OBJECTIVES)].notna().all(axis=1)
     idx = list(df.index[feasible])
@@ -91,7 +107,7 @@ def pareto_mask(df: pd.DataFrame, tie_tolerance: float, use_spread: bool = True)
             if not MAXIMIZE[k]:
                 gain = -gain
             margin = max(tie_tolerance * max(abs(vals[a][j]), abs(vals[b][j])),
-                         max(spreads[a][j], spreads[b][j]) / 2)
+                         max(spreads[a][j], spreads[b][j]))
             if gain < -margin:
                 return False
             if gain > margin or (margin == 0 and gain > 0):
@@ -105,10 +121,17 @@ def pareto_mask(df: pd.DataFrame, tie_tolerance: float, use_spread: bool = True)
 
 
 def _spread(df: pd.DataFrame, i, key: str) -> float:
+    """The noise term of the tie margin: two standard errors of the trial's figure."""
     col = f"{key}_spread"
-    if col in df.columns and pd.notna(df.at[i, col]):
-        return float(df.at[i, col])
-    return 0.0
+    if col not in df.columns or pd.isna(df.at[i, col]):
+        return 0.0
+    iqr = float(df.at[i, col])
+    n_col = f"{key}_n"
+    if n_col not in df.columns or pd.isna(df.at[i, n_col]) or df.at[i, n_col] < 2:
+        return iqr / 2
+    sigma = iqr / 1.349                      # IQR of a normal distribution is 1.349 sigma
+    factor = 1.0 if key == "throughput_tok_s" else 1.253  # a mean of windows; else a median
+    return 2 * factor * sigma / math.sqrt(float(df.at[i, n_col]))
 
 
 def outcome(row) -> str:

@@ -258,6 +258,12 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
     m = outcome.metrics
     if m is not None:
         attrs.update(_flat("", m))
+        # sample counts behind each spread, so the front can turn spreads into standard errors
+        from tuner.metrics import THROUGHPUT_WINDOWS
+
+        attrs["single_stream_tok_s_n"] = cfg.workload.single_stream_requests
+        attrs["ttft_ms_n"] = cfg.workload.throughput_requests
+        attrs["throughput_tok_s_n"] = THROUGHPUT_WINDOWS
         if m.load_test_failed:
             constraints["load_test"] = max(0.01, m.error_rate)
         constraints["slo"] = slo_violation(cfg, m)
