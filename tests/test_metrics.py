@@ -130,3 +130,17 @@ def test_failed_share_above_threshold_marks_the_trial_and_keeps_partial_results(
 def test_summarize_with_no_phases_is_empty_not_an_error():
     m = summarize((), Workload())
     assert m == LoadMetrics()
+
+
+def test_single_stream_falls_back_to_the_server_itl_when_streams_arrive_in_one_read():
+    # a starved client read each whole stream at once: latency == ttft, no decode rate per request
+    whole = [RequestResult(ok=True, output_tokens=32, prompt_tokens=8, ttft_s=0.1, latency_s=0.1)
+             for _ in range(4)]
+    itl = "vllm:inter_token_latency_seconds"
+    single = phase("single_stream", whole, 1.0, before=((itl + "_sum", 1.0), (itl + "_count", 100.0)),
+                   after=((itl + "_sum", 1.0 + 124 * 0.004), (itl + "_count", 224.0)))
+    m = summarize([single], Workload())
+    assert m.single_stream_source == "server_itl"
+    assert m.single_stream_tok_s == pytest.approx(250.0)
+    timed = phase("single_stream", [req(0.1, (0.004,) * 31)], 1.0)
+    assert summarize([timed], Workload()).single_stream_source == "client"

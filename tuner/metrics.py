@@ -45,6 +45,7 @@ class LoadMetrics:
     ttft_ms_p99: float | None = None
     ttft_ms_mean: float | None = None
     single_stream_ttft_ms: float | None = None
+    single_stream_source: str = ""        # "client" | "server_itl" (streams came in one read)
     tpot_ms: float | None = None          # p50
     tpot_ms_p90: float | None = None
     tpot_ms_p99: float | None = None
@@ -227,6 +228,14 @@ def summarize(phases, workload) -> LoadMetrics:
         rates = [x for x in map(decode_tok_s, single.requests) if x is not None]
         out["single_stream_tok_s"] = percentile(rates, 50)
         out["single_stream_tok_s_spread"] = iqr(rates)
+        out["single_stream_source"] = "client"
+        if not rates:
+            # Every stream arrived in one read (a starved client on a busy CPU sees this), so the
+            # client cannot time decoding; the server's own inter-token histogram over the phase can.
+            itl_ms = _hist_mean_ms(single, "vllm:inter_token_latency_seconds")
+            if itl_ms:
+                out["single_stream_tok_s"] = 1e3 / itl_ms
+                out["single_stream_source"] = "server_itl"
         out["single_stream_ttft_ms"] = _ms(percentile(
             [r.ttft_s for r in single.requests if r.ok and r.ttft_s is not None], 50))
 
