@@ -1,0 +1,108 @@
+"""The command line end to end, in real processes, against the fake OpenAI server as the engine."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from faultkit import REPO, fake_engine_study, private_model, write_study
+
+COMMANDS = ("run", "report", "show", "export", "measure", "doctor")
+
+
+def tuner(*args, cwd, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tuner", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_every_command_has_quick_help_with_examples(command, tmp_path):
+    args = ["--help"] if command is None else [command, "--help"]
+    t0 = time.monotonic()
+    done = tuner(*args, cwd=tmp_path)
+    assert done.returncode == 0
+    assert "examples:" in done.stdout and "python -m tuner" in done.stdout
+    # instant: heavy modules (optuna, aiohttp, matplotlib, vllm) are not imported for --help
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "tuner", *args], cwd=tmp_path,
+                         capture_output=True, text=True, env={"PYTHONPATH": str(REPO)})
+    heavy = [m for m in ("optuna", "aiohttp", "matplotlib", "vllm", "pandas")
+             if f" {m}\n" in out.stderr or f"| {m}\n" in out.stderr]
+    assert heavy == [], heavy
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.fixture(scope="module")
+def study_run(tmp_path_factory):
+    """One short study of 4 launches on the fake engine, through `python -m tuner run`."""
+    work = tmp_path_factory.mktemp("cli")
+    model = private_model(work)
+    study = write_study(work, fake_engine_study(model, name="cli"))
+    done = tuner("run", "--study", str(study), "--trials", "4", "--quiet", cwd=work)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return work, study, done
+
+
+def test_run_leaves_results_and_prints_the_best_command(study_run):
+    work, study, done = study_run
+    folder = work / "results" / "cli"
+    for name in ("trials.csv", "pareto.csv", "pareto.png", "parameters.png", "best-command.sh",
+                 "study.json"):
+        assert (folder / name).stat().st_size > 0, name
+    assert (work / "studies" / "cli.db").exists()
+    df = pd.read_csv(folder / "trials.csv")
+    assert len(df) == 4 and set(df["state"]) == {"COMPLETE"}
+    assert (folder / "trials" / "0" / "server.log").read_text()
+    # stdout is exactly one shell line: the command a script would pipe
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and shlex.split(lines[0])[:2] == ["vllm", "serve"]
+    assert "Pareto set" in done.stderr and "launch 4/4" in done.stderr
+
+
+def test_show_export_report_read_the_storage_without_launching(study_run):
+    work, study, _ = study_run
+    shown = tuner("show", "--study", str(study), cwd=work)
+    assert shown.returncode == 0 and "Pareto set: trials" in shown.stdout
+    exported = tuner("export", "--study", str(study), "--prefer", "throughput", "--json", cwd=work)
+    assert exported.returncode == 0
+    params = json.loads(exported.stdout)
+    front = pd.read_csv(work / "results" / "cli" / "pareto.csv")
+    assert params["throughput_tok_s"] == pytest.approx(front["throughput_tok_s"].max())
+    (work / "results" / "cli" / "pareto.png").unlink()
+    reported = tuner("report", "--study", str(study), cwd=work)
+    assert reported.returncode == 0 and (work / "results" / "cli" / "pareto.png").exists()
+
+
+def test_a_second_run_with_the_same_count_launches_nothing(study_run):
+    work, study, _ = study_run
+    again = tuner("run", "--study", str(study), "--trials", "4", "--quiet", cwd=work)
+    assert again.returncode == 0
+    assert "already holds 4 launched trials" in again.stderr
+    assert not (work / "results" / "cli" / "trials" / "4").exists()
+
+
+def test_measure_prints_one_json_object(study_run):
+    work, study, _ = study_run
+    done = tuner("measure", "--study", str(study), "--gpu-memory-utilization", "0.5",
+                 "--max-model-len", "1024", "--max-num-seqs", "2", cwd=work)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    assert out["failure"] == "" and out["max_num_seqs"] == 2
+    assert out["single_stream_tok_s"] > 0 and out["throughput_tok_s"] > 0
+    assert "--max-num-seqs 2" in out["command"]
+
+
+def test_doctor_fits_one_screen(study_run):
+    work, study, _ = study_run
+    done = tuner("doctor", "--study", str(study), cwd=work)
+    assert done.returncode == 0
+    lines = done.stdout.splitlines()
+    assert len(lines) <= 24
+    text = done.stdout
+    assert "engine" in text and "storage" in text and "results" in text
+    assert "GPU" in text  # a GPU line, or the CPU-build line when NVML sees none
