@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _net import wait_for_port  # noqa: E402
 
 CHUNK = (b'data: {"id":"cmpl-b1e3a6f0c2d94f5a","object":"text_completion","created":1796232888,'
          b'"model":"meta-llama/Llama-3.1-8B-Instruct","choices":[{"index":0,"text":" token","logprobs":null,'
@@ -184,15 +186,7 @@ def main() -> None:
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("capacity server did not start")
-                time.sleep(0.1)
+        wait_for_port(port, server, "capacity server")
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {0})
         from tuner.loadgen import run_async

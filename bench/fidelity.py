@@ -36,6 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _net import wait_for_port  # noqa: E402
 
 from tuner.loadgen import build_prompts, new_session, request_payload, run_phase  # noqa: E402
 from tuner.metrics import percentile, tpot_s  # noqa: E402
@@ -164,15 +166,7 @@ def main() -> None:
                                      str(port), "--interval", "0.005", "--first-delay", "0.02"],
                                     start_new_session=True)
             base_url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise SystemExit("synthetic server did not start")
-                    time.sleep(0.1)
+            wait_for_port(port, proc, "synthetic server")
         else:
             port = free_port()
             print(f"starting vLLM on port {port} (about a minute) ...", file=sys.stderr)

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tuner.launcher import _cmdline, _stat_fields
+
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
 FAKE_OPENAI = TESTS / "fake_openai_server.py"
@@ -95,21 +97,6 @@ def real_vllm_study(model: Path, name: str = "faults-vllm") -> dict:
 # ---------------------------------------------------------------- processes
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2:].split()
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def leftovers(pgids, markers, exclude=()) -> list[tuple[int, str]]:
     """Live processes in one of `pgids`, or whose command line holds one of `markers`."""
     pgids = {str(int(p)) for p in pgids if p}
@@ -117,10 +104,10 @@ def leftovers(pgids, markers, exclude=()) -> list[tuple[int, str]]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in exclude or int(entry) == os.getpid():
             continue
-        st = _stat(int(entry))
+        st = _stat_fields(int(entry))
         if not st or st[0] in ("Z", "X"):
             continue
-        line = cmdline(int(entry))
+        line = _cmdline(int(entry))
         if st[2] in pgids or any(m and m in line for m in markers):
             found.append((int(entry), line[:160]))
     return found

@@ -623,11 +623,10 @@ def _alive(pid) -> bool:
     except PermissionError:
         return True
     # A live pid may be a new process reusing the number: it must still be a tuner.
-    try:
-        cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:
-        return True
-    return b"tuner" in cmdline
+    from tuner.launcher import _cmdline
+
+    cmdline = _cmdline(int(pid))
+    return "tuner" in cmdline or not cmdline
 
 
 def _eta(started: float, k: int, n: int) -> str:
