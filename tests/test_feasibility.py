@@ -202,3 +202,26 @@ def test_offload_needs_both_slow_decode_and_weights_that_do_not_fit():
 
 def test_device_memory_on_cpu_is_positive():
     assert device_memory_bytes("cpu") > GIB
+
+
+def test_a_kv_failure_makes_the_same_length_certain_at_the_same_share(tiny):
+    # Recorded grid, node 15.34 GiB: ready at 0.12, then gmu 0.05 x 32768 tokens failed with
+    # "estimated maximum model length is 18304". The prior puts 0.05 x 32768 inside the margin
+    # (0.125 GiB needed, ~0.07 available); after that failure the same share cannot hold 32768
+    # tokens whatever max-num-seqs is, so the next ones are not launched.
+    total = int(15.34 * GIB)
+    model = MemoryModel(tiny, total, "cpu")
+    model.observe_ready(ServerParams(gpu_memory_utilization=0.12, max_model_len=32768, max_num_seqs=16),
+                        Capacity(kv_cache_gib=1.14, kv_cache_tokens=299392, max_concurrency=9.14))
+    other = ServerParams(gpu_memory_utilization=0.05, max_model_len=32768, max_num_seqs=1)
+    assert model.predict(other).uncertain
+    model.observe_failure(ServerParams(gpu_memory_utilization=0.05, max_model_len=32768, max_num_seqs=16),
+                          LaunchFailure(kind="kv_cache_too_small", message="",
+                                        estimated_max_model_len=17792))
+    p = model.predict(other)
+    assert not p.fits and not p.uncertain
+    # a larger share is not ruled out by it, nor a length the failed budget held
+    assert model.predict(ServerParams(gpu_memory_utilization=0.08, max_model_len=32768,
+                                      max_num_seqs=1)).fits
+    assert model.predict(ServerParams(gpu_memory_utilization=0.05, max_model_len=8192,
+                                      max_num_seqs=1)).fits

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tuner.errors import TunerError
@@ -258,6 +258,8 @@ class Observation:
     overhead_bytes: float | None   # requested share minus the KV budget vLLM found
     lower_bound: bool = False   # True: the overhead was at least this (budget came out <= 0)
     miss: bool = False          # the prediction, certain, said the opposite
+    kv_budget_bytes: float | None = None      # kv_cache_too_small: the budget vLLM found
+    device_memory_bytes: int | None = None    # the device total the launch saw
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -403,7 +405,8 @@ class MemoryModel:
             reasons.append(f"no memory left for the KV cache: {overhead / GIB:.2f} GiB of "
                            f"non-KV use in {self.requested_bytes(r) / GIB:.2f} GiB requested")
         elif needed > budget:
-            fits, certain = False, needed - budget > band
+            fits, certain = False, needed - budget > band or self._failed_with_more(r, needed,
+                                                                                   block_bytes)
             reasons.append(f"{needed / GIB:.3f} GiB KV needed for one {r.max_model_len}-token "
                            f"request > {budget / GIB:.3f} GiB available (fits {fit_len} tokens)")
         else:
@@ -426,6 +429,23 @@ class MemoryModel:
             reason="; ".join(reasons), max_model_len=r.max_model_len, overhead_gib=overhead / GIB,
             margin=margin,
         )
+
+    def _failed_with_more(self, r: Resolved, needed: float, block_bytes: float) -> bool:
+        """A launch already found too little KV memory for `needed` with at least this config's
+        requested bytes: the budget only grows with the share, so this one cannot fit either
+        (beyond the difference in the prior's runtime term, when this config needs less)."""
+        for o in self.observations:
+            if o.kind != "kv_cache_too_small" or o.kv_budget_bytes is None or not o.device_memory_bytes:
+                continue
+            ro = self.resolve(o.params)
+            if ro.enforce_eager != r.enforce_eager or ro.kv_dtype_bytes != r.kv_dtype_bytes:
+                continue
+            if math.ceil(o.device_memory_bytes * ro.gpu_memory_utilization) < self.requested_bytes(r):
+                continue
+            slack = max(0.0, self.prior_runtime_bytes(ro) - self.prior_runtime_bytes(r))
+            if needed > o.kv_budget_bytes + slack + block_bytes:
+                return True
+        return False
 
     # -- learning --------------------------------------------------------------------------
 
@@ -507,7 +527,12 @@ class MemoryModel:
             obs = Observation(params=params, kind=kind, overhead_bytes=None)
             self.observations.append(obs)
             return obs
-        return self._learn(params, kind, overhead, lower_bound, False, device_memory_bytes)
+        obs = self._learn(params, kind, overhead, lower_bound, False, device_memory_bytes)
+        if kind == "kv_cache_too_small" and overhead is not None:
+            obs = replace(obs, kv_budget_bytes=self.requested_bytes(r) - overhead,
+                          device_memory_bytes=self.device_memory_bytes)
+            self.observations[-1] = obs
+        return obs
 
 
 def device_memory_bytes(platform: str) -> int:
