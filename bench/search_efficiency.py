@@ -45,7 +45,7 @@ STUDY = REPO / "bench" / "grid.toml"
 TABLE = REPO / "bench" / "data" / "grid-tiny-cpu.csv"
 KEYS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs")
 OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
-MAXIMIZE = (True, True, False)
+MAXIMIZE = {"single_stream_tok_s": True, "throughput_tok_s": True, "ttft_ms": False}
 HV_SHARE = 0.95
 SAMPLERS = ("gp", "tpe", "random", "grid")
 GIB = 2**30
@@ -141,7 +141,7 @@ def _typed(f, v):
 def synthetic_table(node_gib: float = 12.0, non_kv_gib: float = 0.72) -> GridTable:
     """The grid.toml space with CPU-build-like figures, for developing and testing without vLLM."""
     rows = {}
-    for gmu in (0.05, 0.08, 0.12):
+    for gmu in (0.03, 0.05, 0.08, 0.12):
         for mml in (2048, 8192, 32768):
             for mns in (1, 4, 16):
                 kv_gib = gmu * node_gib - non_kv_gib
@@ -170,18 +170,21 @@ def synthetic_table(node_gib: float = 12.0, non_kv_gib: float = 0.72) -> GridTab
 # ---------------------------------------------------------------- hypervolume
 
 
-def normaliser(table: GridTable):
-    """Map a row to [0, 1]^3, larger better, 0 = the grid's worst feasible value."""
+def normaliser(table: GridTable, objectives=OBJECTIVES):
+    """Map a row to [0, 1]^3, larger better, 0 = the grid's worst feasible value; objectives left
+    out of `objectives` are 1 for every point (the volume is then a 2-D or 1-D one)."""
     feasible = [table.rows[k] for k in table.rows if table.feasible(k)]
-    lo = [min(r[o] for r in feasible) for o in OBJECTIVES]
-    hi = [max(r[o] for r in feasible) for o in OBJECTIVES]
+    lo = {o: min(r[o] for r in feasible) for o in objectives}
+    hi = {o: max(r[o] for r in feasible) for o in objectives}
 
     def point(row) -> tuple[float, ...]:
         out = []
-        for j, o in enumerate(OBJECTIVES):
-            span = (hi[j] - lo[j]) or 1.0
-            x = (row[o] - lo[j]) / span
-            out.append(x if MAXIMIZE[j] else 1.0 - x)
+        for o in OBJECTIVES:
+            if o not in objectives:
+                out.append(1.0)
+                continue
+            x = (row[o] - lo[o]) / ((hi[o] - lo[o]) or 1.0)
+            out.append(x if MAXIMIZE[o] else 1.0 - x)
         return tuple(out)
     return point
 
@@ -217,10 +220,10 @@ class Reached(TunerError):
 class TableDevice:
     """A `measure` that answers from the table and follows the hypervolume of what it launched."""
 
-    def __init__(self, table: GridTable, target_hv: float | None):
+    def __init__(self, table: GridTable, target_hv: float | None, objectives=OBJECTIVES):
         self.table = table
         self.target_hv = target_hv
-        self.point = normaliser(table)
+        self.point = normaliser(table, objectives)
         self.launches: list[tuple] = []
         self.points: list[tuple] = []
         self.reached_at: int | None = None
@@ -265,13 +268,13 @@ class RunResult:
 
 def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
            max_launches: int | None = None, stop_at_target: bool = True,
-           study_path: Path = STUDY) -> RunResult:
+           study_path: Path = STUDY, objectives=OBJECTIVES) -> RunResult:
     """One tuning run of `sampler` against the table, in a throwaway storage."""
     from optuna.trial import TrialState
 
-    point = normaliser(table)
+    point = normaliser(table, objectives)
     grid_hv = hypervolume([point(table.rows[k]) for k in table.rows if table.feasible(k)])
-    device = TableDevice(table, HV_SHARE * grid_hv if stop_at_target else None)
+    device = TableDevice(table, HV_SHARE * grid_hv if stop_at_target else None, objectives)
     budget = max_launches or len(table.rows)
     with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
         cfg = load_study(study_path, {"storage": f"sqlite:///{tmp}/replay.db",
@@ -355,6 +358,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--gp-seeds", type=int, default=10, help="GP is slow per trial")
     ap.add_argument("--no-memory-model", action="store_true")
+    ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES,
+                    help="score the hypervolume on these (the tuner still optimises all three)")
     ap.add_argument("--record", metavar="RESULTS_DIR", nargs="+",
                     help="write the table from grid runs' results folders and stop")
     args = ap.parse_args(argv)
@@ -367,11 +372,13 @@ def main(argv=None) -> int:
     memory_model = not args.no_memory_model
     print(f"table: {describe_table(table)}")
     print(f"memory model {'on' if memory_model else 'off'}; target {HV_SHARE:.0%} of the grid's "
-          f"hypervolume; launches count baselines and failed launches, not duplicates or skips")
+          f"hypervolume over {', '.join(args.objectives)}; launches count baselines and failed "
+          "launches, not duplicates or skips")
     medians = {}
     for name in args.samplers:
         seeds = args.gp_seeds if name == "gp" else args.seeds
-        runs = [replay(table, name, seed, memory_model) for seed in range(seeds)]
+        runs = [replay(table, name, seed, memory_model, objectives=tuple(args.objectives))
+                for seed in range(seeds)]
         needed = [r.reached_at if r.reached_at is not None else math.inf for r in runs]
         reached = [x for x in needed if x != math.inf]
         med = statistics.median(needed)

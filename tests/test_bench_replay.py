@@ -46,7 +46,7 @@ def test_replay_reaches_the_grid_hypervolume_and_counts_launches():
 
 
 def test_memory_model_skips_configs_that_cannot_fit():
-    table = se.synthetic_table(node_gib=10.0)   # gmu 0.05 and 0.08 leave no KV at all
+    table = se.synthetic_table(node_gib=10.0)   # gmu 0.03, 0.05 and 0.08 leave no KV at all
     run = se.replay(table, "grid", 0, memory_model=True, max_launches=8, stop_at_target=False)
     wasted = [k for k in run.launches if table.rows[k]["failure"]]
     assert run.skipped                           # learned from the first failure(s)
