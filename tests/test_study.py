@@ -163,3 +163,23 @@ def test_export_preferences_pick_the_best_on_their_objective(tmp_path):
     assert export.choose(front, "ttft")["ttft_ms"] == front["ttft_ms"].min()
     assert export.choose(front, "single-stream")["single_stream_tok_s"] == \
         front["single_stream_tok_s"].max()
+
+
+def test_confirm_remeasures_each_pareto_member_and_reports_mean_and_spread(tmp_path):
+    cfg = fake_config(tmp_path, confirm=2)
+    device = FakeDevice()
+    study = run(cfg, device, 6)
+    df = report.trials_frame(study)
+    front = df[df["pareto"]]
+    assert len(device.launches) == 6 + 2 * len(front)
+    for _, row in front.iterrows():
+        assert len(study.user_attrs[f"confirm:{int(row['trial'])}"]) == 2
+        assert row["confirm_runs"] == 2
+        # the fake device measures the same figures every time: mean = first value, no spread
+        assert row["throughput_tok_s_confirm_mean"] == pytest.approx(row["throughput_tok_s"])
+        assert row["throughput_tok_s_confirm_std"] == pytest.approx(0.0)
+    assert "throughput_tok_s_confirm_mean" in pd.read_csv(cfg.results_path / "pareto.csv").columns
+    # resumed, the confirmations already made are not repeated
+    device2 = FakeDevice()
+    run(cfg, device2, 6)
+    assert device2.launches == []
