@@ -438,6 +438,16 @@ class Tuner:
             study.tell(trial, same.values)
             return "duplicate"
         launch_params = space.scaled(params, self.scale)
+        failed = self.known_infeasible(study, params)
+        if failed is not None:
+            # no launch: a config with more memory and a shorter context already failed
+            trial.set_user_attr("failure", "predicted_infeasible")
+            trial.set_user_attr("failure_message", f"trial {failed.number} "
+                                f"({failed.user_attrs['failure']}) had more memory and a shorter context")
+            for key, value in failed.constraints.items():
+                trial.set_constraint(key, value)
+            study.tell(trial, penalty_values(self.cfg))
+            return "predicted_infeasible"
         common = {"platform": self.platform.kind, "gpu_name": self.platform.device_name,
                   "gpu_memory_total_gib": round(self.platform.memory_total_bytes / 2**30, 2),
                   "vllm_version": self.platform.vllm_version, "model": self.model}
@@ -565,6 +575,23 @@ class Tuner:
             self.confirm(study)
         report.write_all(study, self.cfg)
         return study
+
+    def known_infeasible(self, study: optuna.Study, params: space.ServerParams) -> FrozenTrial | None:
+        """An earlier launch that failed for KV memory with at least this much memory and at most
+        this context (other memory-relevant flags equal): then this config cannot fit either."""
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            kind = t.user_attrs.get("failure")
+            if kind not in ("kv_cache_too_small", "no_cache_blocks"):
+                continue
+            failed = space.params_from(t.params)
+            if (failed.enforce_eager, failed.kv_cache_dtype, failed.max_num_batched_tokens) != (
+                    params.enforce_eager, params.kv_cache_dtype, params.max_num_batched_tokens):
+                continue
+            if params.gpu_memory_utilization > failed.gpu_memory_utilization:
+                continue
+            if kind == "no_cache_blocks" or params.max_model_len >= failed.max_model_len:
+                return t
+        return None
 
     def confirm(self, study: optuna.Study) -> None:
         """Re-measure each Pareto member `confirm` times so luck does not pick the front."""
