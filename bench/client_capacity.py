@@ -83,6 +83,16 @@ def serve(port: int, default_interval: float = 0.0, first_delay: float = 0.0) ->
 
 # ---------------------------------------------------------------- client
 
+async def bare_stream(session, url: str, payload: bytes, events: list[int]) -> None:
+    """The reference client: a bare aiohttp read loop that only counts SSE events into events[0]."""
+    async with session.post(url, data=payload, headers={"Content-Type": "application/json"}) as resp:
+        while True:
+            data = await resp.content.readany()
+            if not data:
+                break
+            events[0] += data.count(b"\n\n")
+
+
 async def drive(url: str, streams: int, tokens: int, duration_s: float, bare: bool = False) -> tuple[float, float, int]:
     """Closed loop of `streams` streaming requests for `duration_s`; (tok/s, cpu share, arrivals)."""
     import aiohttp
@@ -93,23 +103,14 @@ async def drive(url: str, streams: int, tokens: int, duration_s: float, bare: bo
     stop_at = time.perf_counter() + duration_s
     total = arrivals = 0
 
-    async def bare_request(session) -> int:
-        n = 0
-        async with session.post(url, data=payload, headers={"Content-Type": "application/json"}) as resp:
-            while True:
-                data = await resp.content.readany()
-                if not data:
-                    break
-                n += data.count(b"\n\n")
-        return n - 2
-
     async with new_session(streams) as session:
         async def worker() -> None:
             nonlocal total, arrivals
             while time.perf_counter() < stop_at:
                 if bare:
-                    n = await bare_request(session)  # not `total += await ...`: that reads total before awaiting
-                    total += n
+                    events = [0]
+                    await bare_stream(session, url, payload, events)
+                    total += events[0] - 2  # the usage chunk and [DONE] are events, not tokens
                     continue
                 r = await stream_request(session, url, payload, timeout_s=120)
                 if not r.ok:
@@ -132,26 +133,17 @@ async def paced(url: str, streams: int, duration_s: float, bare: bool = False) -
 
     ramp = 2.0
     payload = request_payload("m", "w1 w2 w3", int(11400 / streams * (duration_s + 2 * ramp + 1)))
-    events = 0
-
-    async def bare_request(session) -> None:
-        nonlocal events
-        async with session.post(url, data=payload, headers={"Content-Type": "application/json"}) as resp:
-            while True:
-                data = await resp.content.readany()
-                if not data:
-                    break
-                events += data.count(b"\n\n")
+    events = [0]   # SSE events read by all bare streams so far
 
     async with new_session(streams) as session:
         t0 = time.perf_counter()
-        jobs = asyncio.gather(*(bare_request(session) if bare else
+        jobs = asyncio.gather(*(bare_stream(session, url, payload, events) if bare else
                                 stream_request(session, url, payload, timeout_s=600, phase_start=t0)
                                 for _ in range(streams)))
         await asyncio.sleep(ramp)
-        c0, w0, e0 = time.process_time(), time.perf_counter() - t0, events
+        c0, w0, e0 = time.process_time(), time.perf_counter() - t0, events[0]
         await asyncio.sleep(duration_s)
-        c1, w1, e1 = time.process_time(), time.perf_counter() - t0, events
+        c1, w1, e1 = time.process_time(), time.perf_counter() - t0, events[0]
         results = await jobs
     if bare:
         n = e1 - e0
