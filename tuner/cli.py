@@ -266,24 +266,22 @@ def cmd_export(args) -> int:
 def cmd_measure(args) -> int:
     import time
 
-    from tuner.launcher import LaunchSpec
+    from tuner.launcher import check_engine_cmd
     from tuner.measure import measure_config
     from tuner.space import ServerParams, scaled
-    from tuner.study import (check_engine, detect_platform, memory_scale, outcome_dict,
+    from tuner.study import (detect_platform, launch_spec, memory_scale, outcome_dict,
                              resolve_model)
 
     cfg = load_config(args)
     platform = detect_platform(cfg)
-    check_engine(platform.engine)
+    check_engine_cmd(platform.engine)
     model, extra = resolve_model(cfg)
     params = scaled(ServerParams(args.gpu_memory_utilization, args.max_model_len, args.max_num_seqs,
                                  args.max_num_batched_tokens, args.enforce_eager or None,
                                  args.kv_cache_dtype), memory_scale(cfg, platform))
     folder = cfg.results_path / "measure" / time.strftime("%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)
-    spec = LaunchSpec(model=model, params=params, extra_args=extra, engine_cmd=platform.engine,
-                      host=cfg.host, env=cfg.env, launch_timeout_s=cfg.launch_timeout_s,
-                      log_path=str(folder / "server.log"))
+    spec = launch_spec(cfg, platform, model, extra, params, folder / "server.log")
     outcome = measure_config(spec, cfg.workload)
     print(json.dumps(outcome_dict(outcome), indent=2, default=str))
     return 0
@@ -291,16 +289,17 @@ def cmd_measure(args) -> int:
 
 def cmd_doctor(args) -> int:
     from tuner import gpu
-    from tuner.study import detect_platform, open_storage, resolve_model
+    from tuner.launcher import check_engine_cmd
+    from tuner.study import check_results_dir, detect_platform, open_storage, resolve_model
 
     cfg = load_config(args)
     platform = detect_platform(cfg)
     lines = [f"study      {cfg.source} (name {cfg.name})"]
-    import shutil
-
-    found = shutil.which(platform.engine[0]) or os.path.isfile(platform.engine[0])
-    lines.append(f"engine     {' '.join(platform.engine)}"
-                 + ("" if found else "   NOT FOUND: install vLLM or pass --engine"))
+    try:
+        check_engine_cmd(platform.engine)
+        lines.append(f"engine     {' '.join(platform.engine)}")
+    except TunerError as e:
+        lines.append(f"engine     PROBLEM: {e}")
     lines.append(f"vLLM       {platform.vllm_version or 'unknown (not installed in this Python)'}")
     try:
         model, extra = resolve_model(cfg)
@@ -324,9 +323,10 @@ def cmd_doctor(args) -> int:
         lines.append(f"storage    {cfg.storage}: ok")
     except TunerError as e:
         lines.append(f"storage    PROBLEM: {e}")
-    folder = cfg.results_path
-    probe = next((p for p in [folder, *folder.parents] if p.exists()), Path("."))
-    writable = os.access(probe, os.W_OK)
-    lines.append(f"results    {folder}/: {'writable' if writable else 'NOT WRITABLE'}")
+    try:
+        check_results_dir(cfg)
+        lines.append(f"results    {cfg.results_path}/: writable")
+    except TunerError as e:
+        lines.append(f"results    PROBLEM: {e}")
     print("\n".join(lines))
     return 0

@@ -96,6 +96,14 @@ def resolve_model(cfg: StudyConfig) -> tuple[str, tuple[str, ...]]:
     return path, tuple(extra)
 
 
+def launch_spec(cfg: StudyConfig, platform: Platform, model: str, extra_args: tuple[str, ...],
+                params: space.ServerParams, log_path: Path) -> LaunchSpec:
+    """The LaunchSpec of one config of this study (trials, confirmations and `measure` alike)."""
+    return LaunchSpec(model=model, params=params, extra_args=extra_args, engine_cmd=platform.engine,
+                      host=cfg.host, env=cfg.env, launch_timeout_s=cfg.launch_timeout_s,
+                      log_path=str(log_path))
+
+
 def memory_scale(cfg: StudyConfig, platform: Platform) -> float | None:
     """Factor turning a searched gmu (a share of the budget) into the card's gmu, or None."""
     if cfg.memory_budget_gib is None:
@@ -105,12 +113,6 @@ def memory_scale(cfg: StudyConfig, platform: Platform) -> float | None:
         raise TunerError(f"memory budget {cfg.memory_budget_gib} GiB exceeds this device's "
                          f"{platform.memory_total_bytes / 2**30:.1f} GiB: lower --memory-budget-gib")
     return scale
-
-
-def check_engine(engine: tuple[str, ...]) -> None:
-    from tuner.launcher import check_engine_cmd
-
-    check_engine_cmd(engine)
 
 
 def check_results_dir(cfg: StudyConfig) -> None:
@@ -294,7 +296,9 @@ class Tuner:
         self.platform = platform or detect_platform(cfg)
         self.model, self.extra_args = resolve_model(cfg)
         if measure is None:
-            check_engine(self.platform.engine)
+            from tuner.launcher import check_engine_cmd
+
+            check_engine_cmd(self.platform.engine)
             from tuner.measure import measure_config
             measure = measure_config
         self.measure = measure
@@ -474,10 +478,8 @@ class Tuner:
             + " ".join(launch_params.vllm_flags()))
         trial_dir = self.cfg.results_path / "trials" / str(trial.number)
         trial_dir.mkdir(parents=True, exist_ok=True)
-        spec = LaunchSpec(model=self.model, params=launch_params, extra_args=self.extra_args,
-                          engine_cmd=self.platform.engine, host=self.cfg.host,
-                          env=self.cfg.env, launch_timeout_s=self.cfg.launch_timeout_s,
-                          log_path=str(trial_dir / "server.log"))
+        spec = launch_spec(self.cfg, self.platform, self.model, self.extra_args, launch_params,
+                           trial_dir / "server.log")
 
         def on_started(server) -> None:
             trial.set_user_attr("server_pgid", server.pgid)
@@ -609,10 +611,8 @@ class Tuner:
                 log(f"[confirm trial {number} run {len(runs) + 1}/{self.cfg.confirm}] "
                     + " ".join(params.vllm_flags()))
                 folder = self.cfg.results_path / "trials" / str(number)
-                spec = LaunchSpec(model=self.model, params=params, extra_args=self.extra_args,
-                                  engine_cmd=self.platform.engine, host=self.cfg.host,
-                                  env=self.cfg.env, launch_timeout_s=self.cfg.launch_timeout_s,
-                                  log_path=str(folder / f"confirm-{len(runs) + 1}.log"))
+                spec = launch_spec(self.cfg, self.platform, self.model, self.extra_args, params,
+                                   folder / f"confirm-{len(runs) + 1}.log")
                 outcome = self.measure(spec, self.cfg.workload, progress=self.progress)
                 m = outcome.metrics
                 runs.append({k: (getattr(m, k) if m else None) for k in OBJECTIVES}
