@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field, replace
 
 from tuner.config import parse_study
@@ -13,7 +14,7 @@ from tuner.study import Platform
 FAKE_PLATFORM = Platform("cpu", "fake device", 10 * 2**30, None, ("true",), "0.0-fake")
 
 FAKE_STUDY = {
-    "study": {"name": "fake", "sampler": "tpe", "seed": 1, "memory_model": False},
+    "study": {"name": "fake", "sampler": "tpe", "seed": 1, "memory_model": False, "replicates": 0},
     "model": {"path": "preset:tiny"},
     "space": {"gpu_memory_utilization": {"low": 0.1, "high": 0.9, "step": 0.1},
               "max_model_len": {"choices": [1024, 4096, 16384, 65536]},
@@ -45,6 +46,12 @@ class FakeDevice:
     overhead_gmu: float = 0.15
     launches: list = field(default_factory=list)
     interrupt_at: int | None = None     # raise KeyboardInterrupt on this launch (1-based)
+    noise: float = 0.0                  # launch-to-launch relative noise (sd) of every figure
+    fail_relaunch_of: set = field(default_factory=set)   # max_num_seqs values whose 2nd+ launch fails
+    seed: int = 0
+
+    def __post_init__(self):
+        self.rng = random.Random(self.seed)
 
     def kv_tokens(self, gmu: float) -> int:
         return max(0, int((gmu - self.overhead_gmu) * self.tokens_per_gmu / 0.1))
@@ -65,10 +72,18 @@ class FakeDevice:
                 needed_gib=p.max_model_len * 4096 / 2**30, available_gib=tokens * 4096 / 2**30,
                 estimated_max_model_len=tokens))
         seqs = p.max_num_seqs
-        metrics = LoadMetrics(single_stream_tok_s=100.0 - 0.1 * seqs, single_stream_tok_s_spread=1.0,
-                              throughput_tok_s=100.0 * min(seqs, 16), throughput_tok_s_spread=5.0,
-                              ttft_ms=10.0 * seqs, ttft_ms_spread=1.0, ttft_ms_p90=12.0 * seqs,
-                              tpot_ms_p90=10.0, e2e_ms_p90=100.0, concurrency=seqs)
+        if seqs in self.fail_relaunch_of and self.launches[:-1].count(p):
+            return replace(base, failure=LaunchFailure(kind="oom", message="CUDA out of memory"))
+
+        def jitter(x: float) -> float:
+            return x * (1 + self.rng.gauss(0, self.noise)) if self.noise else x
+
+        metrics = LoadMetrics(single_stream_tok_s=jitter(100.0 - 0.1 * seqs),
+                              single_stream_tok_s_spread=1.0,
+                              throughput_tok_s=jitter(100.0 * min(seqs, 16)),
+                              ttft_ms=jitter(10.0 * seqs), ttft_ms_spread=1.0, ttft_ms_p90=12.0 * seqs,
+                              tpot_ms_p90=10.0, e2e_ms_p90=100.0, concurrency=16,
+                              requests_sent=20)
         return replace(base, metrics=metrics, load_s=2.0, capacity=Capacity(
             kv_cache_tokens=tokens, kv_cache_gib=tokens * 4096 / 2**30, weights_gib=0.01,
             max_concurrency=tokens / p.max_model_len))

@@ -12,8 +12,9 @@ import pytest
 from aiohttp import web
 
 from tuner import loadgen
-from tuner.loadgen import (PhaseResult, SSEStream, Workload, build_prompts, parse_prometheus,
-                           phase_concurrency, run_load_test, stream_request)
+from tuner.loadgen import (Level, PhaseResult, SSEStream, Workload, build_prompts, default_levels,
+                           load_plan, parse_prometheus, run_load_test, stream_request,
+                           ttft_level_name)
 from tuner.metrics import summarize
 
 MODEL = "fake-model"
@@ -306,51 +307,61 @@ def test_prompts_have_exact_length_and_distinct_prefixes(fake, endpoint, overhea
     assert len({tuple(p.split()[:4]) for p in prompts}) == 20
 
 
-def test_concurrency_follows_max_num_seqs_capped():
-    assert phase_concurrency(Workload(max_concurrency=64), 256) == 64
-    assert phase_concurrency(Workload(max_concurrency=64), 16) == 16
-    assert phase_concurrency(Workload(max_concurrency=64), None) == 64
-    assert phase_concurrency(Workload(concurrency=5), 256) == 5
+def test_every_config_meets_the_same_levels():
+    assert default_levels(32) == (4, 16, 32)
+    assert default_levels(64) == (4, 16, 64)
+    assert default_levels(256) == (4, 16, 64, 256)
+    assert default_levels(1) == ()
+    w = Workload(single_stream_requests=4, max_concurrency=32, waves=4, throughput_requests=32)
+    assert load_plan(w) == (Level("single_stream", 1, 4), Level("c4", 4, 32), Level("c16", 16, 64),
+                            Level("c32", 32, 128))
+    assert ttft_level_name(w) == "c32"
+    assert ttft_level_name(Workload(levels=(8, 64), ttft_level=8)) == "c8"
+    assert [lv.name for lv in load_plan(Workload(concurrency=5))][1:] == ["c5"]   # the old spelling
+    rates = load_plan(Workload(levels=(8,), request_rates=(2.0, 0.5), throughput_requests=10))
+    assert [(lv.name, lv.request_rate, lv.requests) for lv in rates[2:]] == [("r0.5", 0.5, 10),
+                                                                              ("r2", 2.0, 10)]
 
 
 def test_run_load_test_phases_against_fake_server(fake, capsys):
     fake.delay = 0.002
     w = Workload(prompt_tokens=16, output_tokens=8, warmup_requests=2, single_stream_requests=3,
-                 throughput_requests=12, metrics_poll_s=0.01)
-    phases = run_load_test(fake.base_url, MODEL, w, max_num_seqs=4)
-    assert [p.name for p in phases] == ["warmup", "single_stream", "throughput"]
+                 throughput_requests=12, levels=(4,), metrics_poll_s=0.01)
+    phases = run_load_test(fake.base_url, MODEL, w)
+    assert [p.name for p in phases] == ["warmup", "single_stream", "c4"]
     assert [p.concurrency for p in phases] == [2, 1, 4]
     assert all(isinstance(p, PhaseResult) and p.wall_s > 0 for p in phases)
     thr = phases[-1]
-    assert len(thr.requests) == 12 and all(r.ok for r in thr.requests)
+    assert len(thr.requests) == 16 and all(r.ok for r in thr.requests)   # 4 waves of 4
     assert {(r.prompt_tokens, r.output_tokens) for r in thr.requests} == {(16, 8)}
-    assert len(set(fake.prompts)) == len(fake.prompts) == 17
+    assert len(set(fake.prompts)) == len(fake.prompts) == 21
     assert dict(thr.server_metrics_after)["vllm:num_preemptions_total"] > \
         dict(thr.server_metrics_before)["vllm:num_preemptions_total"]
     assert "vllm:kv_cache_usage_perc" in dict(thr.server_metrics_peak)
     m = summarize(phases, w)
     assert m.load_test_failed == "" and m.error_rate == 0.0
-    assert m.throughput_tok_s == pytest.approx(12 * 8 / thr.wall_s)
+    assert m.throughput_tok_s_wall == pytest.approx(16 * 8 / thr.wall_s)
+    assert m.steady and m.throughput_tok_s > 0 and m.throughput_level == "c4"
     assert m.single_stream_tok_s > 0 and m.ttft_ms > 0 and m.concurrency == 4
     err = capsys.readouterr().err
-    assert "throughput: 12/12 requests" in err and "tok/s" in err
+    assert "c4: 16/16 requests" in err and "tok/s" in err
 
 
 def test_open_loop_and_failed_share_marks_the_trial():
     server = FakeVLLM(fail_every=3)
     try:
         w = Workload(prompt_tokens=8, output_tokens=4, warmup_requests=0, single_stream_requests=0,
-                     throughput_requests=9, request_rate=200.0, concurrency=3, metrics_poll_s=None)
-        phases = run_load_test(server.base_url, MODEL, w, max_num_seqs=None, progress=False)
+                     throughput_requests=9, request_rate=200.0, max_concurrency=1, metrics_poll_s=None)
+        phases = run_load_test(server.base_url, MODEL, w, progress=False)
     finally:
         server.close()
-    assert [p.name for p in phases] == ["throughput"]
+    assert [p.name for p in phases] == ["r200"]
     assert phases[0].request_rate == 200.0
     starts = sorted(r.start_s for r in phases[0].requests)
     assert starts[-1] > starts[0]                     # arrivals spread out, not all at t=0
     failed = [r for r in phases[0].requests if not r.ok]
     assert len(failed) == 3 and {r.error_kind for r in failed} == {"http_error"}
     m = summarize(phases, w)
-    assert m.load_test_failed.startswith("throughput: 3/9 requests failed (first: http_error: HTTP 500")
+    assert m.load_test_failed.startswith("r200: 3/9 requests failed (first: http_error: HTTP 500")
     assert m.output_tokens_total == 6 * 4             # partial results kept
     assert m.error_kinds == "http_error:3"

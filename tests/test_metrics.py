@@ -6,7 +6,8 @@ import pytest
 
 from tuner.loadgen import PhaseResult, RequestResult, Workload
 from tuner.metrics import (LoadMetrics, decode_tok_s, failure_reason, iqr, meets_slos, percentile,
-                           summarize, timings_from_arrivals, tpot_s, window_rates)
+                           steady_window, summarize, timings_from_arrivals, tpot_s,
+                           window_rate)
 
 
 def req(ttft: float, itl: tuple[float, ...], out: int | None = None, start: float = 0.0,
@@ -59,11 +60,26 @@ def test_slos():
     assert meets_slos(req(5.0, (1.0,)), Workload())                 # no SLO set: every success counts
 
 
-def test_window_rates_add_up_to_the_usage_total():
-    rs = [req(0.5, (0.5,) * 3, out=8, start=0.0), req(0.25, (0.25,) * 7, out=8, start=1.0)]
-    rates = window_rates(rs, wall_s=4.0, windows=4)
-    assert sum(rates) * 1.0 == pytest.approx(16.0)                  # each window is 1 s wide
-    assert rates[0] == pytest.approx(2.0)                           # one chunk worth 8 tokens / 4 chunks
+def test_steady_window_runs_from_the_first_completion_to_the_last_send():
+    # closed loop at concurrency 2, three waves of 4-token requests (0.25 s per token)
+    waves = [req(0.25, (0.25,) * 3, out=4, start=s) for s in (0.0, 0.0, 1.0, 1.0, 2.0, 2.0)]
+    assert steady_window(waves, 2) == (1.0, 2.0)
+    assert window_rate(waves, 1.0, 2.0) == 8.0                      # 2 streams x 4 tok/s
+    assert steady_window(waves[:3], 2) is None                      # under two waves: no steady state
+    # chunks carry usage / chunks tokens each: a request whose 4 chunks hold 8 tokens counts double
+    heavy = [req(0.25, (0.25,) * 3, out=8, start=s) for s in (0.0, 0.0, 1.0, 1.0, 2.0, 2.0)]
+    assert window_rate(heavy, 1.0, 2.0) == 16.0
+
+
+def test_ramp_up_and_drain_are_left_out_of_the_throughput():
+    # a slow first token (prefill of the first wave) and a drain; the steady state is 2 x 4 tok/s
+    first = [req(1.0, (0.25,) * 3, out=4, start=0.0) for _ in range(2)]      # done at 1.75
+    rest = [req(0.25, (0.25,) * 3, out=4, start=s) for s in (1.75, 1.75, 2.75, 2.75, 3.75, 3.75)]
+    thr = phase("c2", first + rest, 4.75, conc=2)
+    m = summarize([thr], Workload())
+    assert m.steady and (m.window_start_s, m.window_end_s) == (1.75, 3.75)
+    assert m.throughput_tok_s == 8.0
+    assert m.throughput_tok_s_wall == pytest.approx(32 / 4.75)      # ramp-up and drain included
 
 
 def phase(name, requests, wall, conc=1, before=(), after=(), peak=()):
@@ -73,7 +89,7 @@ def phase(name, requests, wall, conc=1, before=(), after=(), peak=()):
 
 
 def test_summarize_objectives_and_cross_checks():
-    w = Workload(slo_ttft_ms=150)
+    w = Workload()
     warm = phase("warmup", [req(9.0, (9.0,), ok=False, kind="timeout")], 20.0)   # excluded entirely
     single = phase("single_stream", [req(0.125, (0.25,) * 4, out=5),           # 4 tok/s
                                      req(0.125, (0.125,) * 4, out=5),          # 8 tok/s
@@ -92,7 +108,8 @@ def test_summarize_objectives_and_cross_checks():
     assert m.single_stream_tok_s == 8.0
     assert m.single_stream_tok_s_spread == 6.0                     # IQR of 4, 8, 16
     assert m.single_stream_ttft_ms == 125.0
-    assert m.throughput_tok_s == 100 / 2.5
+    assert m.throughput_level == "throughput" and m.steady
+    assert m.throughput_tok_s_wall == 100 / 2.5
     assert m.ttft_ms == pytest.approx(550.0)                       # p50 of 100..1000 ms
     assert m.ttft_ms_p90 == pytest.approx(910.0)
     assert m.ttft_ms_p99 == pytest.approx(991.0)
@@ -101,13 +118,18 @@ def test_summarize_objectives_and_cross_checks():
     assert m.tpot_ms == pytest.approx(50.0) and m.itl_ms == pytest.approx(50.0)
     assert m.e2e_ms == pytest.approx(1000.0)
     assert m.requests_per_s == 4.0
-    assert m.goodput_req_s == 1 / 2.5                               # only the 100 ms TTFT meets 150 ms
     assert m.concurrency == 4 and m.output_tokens_total == 100 and m.throughput_wall_s == 2.5
+    # with an SLO, throughput is taken at the highest level that meets it: here concurrency 1
+    # (TTFT p90 125 ms), not the loaded level (p90 910 ms)
+    g = summarize((warm, single, thr), Workload(slo_ttft_ms=150))
+    assert g.throughput_level == "single_stream" and g.throughput_tok_s == 15 / 3.0
+    assert g.levels[1].meets_slos is False
+    assert g.levels[1].goodput_req_s == 1 / 2.5                     # only the 100 ms TTFT meets 150 ms
     assert m.preemptions == 3.0
     assert m.kv_cache_usage_max == 0.875 and m.num_requests_waiting_max == 3.0
     assert m.server_ttft_ms_mean == pytest.approx(200.0)
     assert m.server_itl_ms_mean == pytest.approx(50.0)
-    assert m.throughput_tok_s_spread is not None and m.throughput_tok_s_spread >= 0
+    assert [lv.name for lv in m.levels] == ["single_stream", "throughput"]
     assert m.error_rate == 0.0 and m.requests_sent == 13 and m.load_test_failed == ""
     assert m.error_kinds == "timeout:1"                            # warm-up failures still show as kinds
 
@@ -122,7 +144,8 @@ def test_failed_share_above_threshold_marks_the_trial_and_keeps_partial_results(
     assert failure_reason(thr, 0.10) == ""                          # exactly at the share: still fine
     m = summarize((thr,), w)
     assert m.load_test_failed.startswith("throughput: 2/20")
-    assert m.throughput_tok_s == 180 / 2.0
+    assert m.throughput_tok_s == 180 / 2.0                          # 20 requests < 2 waves of 8: whole phase
+    assert m.steady is False
     assert m.error_rate == 0.1 and m.requests_failed == 2
     assert m.single_stream_tok_s is None and m.preemptions is None
 

@@ -145,16 +145,106 @@ def test_a_failed_region_is_not_launched_again(tmp_path):
     assert failed and len(device.launches) == 30
 
 
-def test_noise_aware_front_treats_differences_inside_the_spread_as_ties():
+def test_ties_come_from_the_measured_launch_to_launch_noise():
     df = pd.DataFrame({
-        "trial": [0, 1, 2], "state": ["COMPLETE"] * 3, "feasible": [True] * 3,
-        "single_stream_tok_s": [100.0, 99.0, 50.0], "throughput_tok_s": [1000.0, 1005.0, 900.0],
-        "ttft_ms": [50.0, 50.5, 80.0], "throughput_tok_s_spread": [40.0, 40.0, 40.0]})
-    # strictly, trial 0 and 1 are both on the front only by noise; trial 2 is beaten beyond it
+        "trial": [0, 1, 2], "state": ["COMPLETE"] * 3, "feasible": [True] * 3, "runs": [2, 1, 1],
+        "single_stream_tok_s": [100.0, 99.0, 50.0], "throughput_tok_s": [1000.0, 1010.0, 900.0],
+        "ttft_ms": [50.0, 50.5, 80.0]})
+    # no noise measured: only the 2 % tolerance ties, and 0 and 1 are within it everywhere;
+    # trial 2 is beaten everywhere
     assert list(report.pareto_mask(df, 0.02)) == [True, True, False]
-    df.loc[1, "throughput_tok_s"] = 999.0  # now trial 0 beats 1 everywhere, but only inside the noise
-    assert list(report.pareto_mask(df, 0.0, use_spread=False)) == [True, False, False]
-    assert list(report.pareto_mask(df, 0.02)) == [True, True, False]
+    df.loc[1, "throughput_tok_s"] = 1060.0
+    df.loc[1, "ttft_ms"] = 49.0
+    df.loc[1, "single_stream_tok_s"] = 100.0
+    assert list(report.pareto_mask(df, 0.02)) == [False, True, False]   # 1 beats 0 beyond 2 %
+    # with 3 % launch-to-launch noise, 6 % on throughput is inside 2 standard errors: a tie again
+    noise = {"throughput_tok_s": {"cv": 0.03, "dof": 4, "configs": 2}}
+    assert list(report.pareto_mask(df, 0.02, noise)) == [True, True, False]
+    # and a relaunch that failed takes a config off the front
+    df["relaunch_failed"] = ["", "oom", ""]
+    assert list(report.pareto_mask(df, 0.02, noise)) == [True, False, False]
+
+
+def test_noise_is_the_pooled_coefficient_of_variation_of_repeated_configs():
+    noise = report.noise_estimate({"throughput_tok_s": [[90.0, 110.0], [190.0, 210.0]],
+                                   "ttft_ms": []})
+    cv = noise["throughput_tok_s"]
+    # sample sd of (90, 110) is 14.14 on a mean of 100; of (190, 210) 14.14 on 200
+    assert cv["dof"] == 2 and cv["configs"] == 2
+    assert cv["cv"] == pytest.approx(((0.1414 ** 2 + 0.0707 ** 2) / 2) ** 0.5, rel=1e-3)
+    assert "ttft_ms" not in noise
+
+
+def test_replicates_measure_the_noise_and_the_front_uses_means(tmp_path):
+    cfg = fake_config(tmp_path, replicates=2)
+    device = FakeDevice(noise=0.05, seed=3)
+    study = run(cfg, device, 6)
+    baselines = [t for t in study.trials if t.user_attrs.get("baseline")]
+    assert len(device.launches) == 6 + 2 * len(baselines)
+    df = report.trials_frame(study)
+    noise = df.attrs["noise"]
+    assert set(noise) == {"single_stream_tok_s", "throughput_tok_s", "ttft_ms"}
+    assert noise["throughput_tok_s"]["dof"] == 2 * len(baselines)
+    assert 0.005 < noise["throughput_tok_s"]["cv"] < 0.2        # the fake's 5 % is what is measured
+    for t in baselines:
+        runs = study.user_attrs[f"runs:{t.number}"]
+        assert [r["kind"] for r in runs] == ["replicate", "replicate"]
+        row = df[df["trial"] == t.number].iloc[0]
+        values = [t.values[1]] + [r["throughput_tok_s"] for r in runs]
+        assert row["runs"] == 3 and row["throughput_tok_s"] == pytest.approx(sum(values) / 3)
+        assert row["throughput_tok_s_first"] == t.values[1]
+    assert (cfg.results_path / "noise.json").exists()
+    # resumed, the replicates already made are not repeated
+    device2 = FakeDevice()
+    run(cfg, device2, 6)
+    assert device2.launches == []
+
+
+def test_confirm_relaunches_the_front_and_a_failed_relaunch_leaves_it(tmp_path):
+    cfg = fake_config(tmp_path, confirm=2)
+    device = FakeDevice(fail_relaunch_of={4})
+    study = run(cfg, device, 6)
+    df = report.trials_frame(study)
+    confirmed = [int(k.split(":")[1]) for k in study.user_attrs if k.startswith("runs:")]
+    assert confirmed
+    for number in confirmed:
+        runs = study.user_attrs[f"runs:{number}"]
+        row = df[df["trial"] == number].iloc[0]
+        if row["max_num_seqs"] == 4:
+            assert runs[0]["failure"] == "oom" and row["relaunch_failed"] == "oom"
+            assert not row["pareto"]                               # its relaunch failed: off the front
+        else:
+            assert [r["kind"] for r in runs] == ["confirm", "confirm"] and row["runs"] == 3
+    front = df[df["pareto"]]
+    assert len(front) and (front["relaunch_failed"] == "").all()
+    assert "throughput_tok_s_first" in pd.read_csv(cfg.results_path / "pareto.csv").columns
+    # resumed, the confirmations already made are not repeated
+    device2 = FakeDevice()
+    run(cfg, device2, 6)
+    assert device2.launches == []
+
+
+def test_balanced_export_ignores_objectives_whose_front_spread_is_noise():
+    front = pd.DataFrame({"trial": [0, 1], "runs": [3, 3],
+                          "single_stream_tok_s": [101.0, 100.0],     # 1 %: noise
+                          "throughput_tok_s": [500.0, 4000.0],       # 8x: real
+                          "ttft_ms": [40.0, 41.0]})                  # 2.5 %: noise
+    noise = {k: {"cv": 0.03, "dof": 4, "configs": 2} for k in report.OBJECTIVES}
+    assert export.balanced_objectives(front, noise) == ["throughput_tok_s"]
+    assert int(export.choose(front, "balanced", noise)["trial"]) == 1
+    # without a noise figure the 1 % single-stream edge would count as much as 8x throughput
+    assert export.balanced_objectives(front, None, 0.0) == list(report.OBJECTIVES)
+
+
+def test_configs_equal_on_the_grid_are_one_config(tmp_path):
+    from tuner.study import config_key
+
+    cfg = fake_config(tmp_path)
+    a = config_key({"gpu_memory_utilization": 0.30000000000000004, "max_model_len": 1024,
+                    "max_num_seqs": 4}, cfg.dimensions)
+    b = config_key({"gpu_memory_utilization": 0.3, "max_model_len": 1024, "max_num_seqs": 4},
+                   cfg.dimensions)
+    assert a == b
 
 
 @pytest.mark.parametrize("model", ["/models/my model", "/models/it's \"quoted\"", "/m/$(rm -rf x)"])
@@ -182,21 +272,3 @@ def test_export_preferences_pick_the_best_on_their_objective(tmp_path):
         front["single_stream_tok_s"].max()
 
 
-def test_confirm_remeasures_each_pareto_member_and_reports_mean_and_spread(tmp_path):
-    cfg = fake_config(tmp_path, confirm=2)
-    device = FakeDevice()
-    study = run(cfg, device, 6)
-    df = report.trials_frame(study)
-    front = df[df["pareto"]]
-    assert len(device.launches) == 6 + 2 * len(front)
-    for _, row in front.iterrows():
-        assert len(study.user_attrs[f"confirm:{int(row['trial'])}"]) == 2
-        assert row["confirm_runs"] == 2
-        # the fake device measures the same figures every time: mean = first value, no spread
-        assert row["throughput_tok_s_confirm_mean"] == pytest.approx(row["throughput_tok_s"])
-        assert row["throughput_tok_s_confirm_std"] == pytest.approx(0.0)
-    assert "throughput_tok_s_confirm_mean" in pd.read_csv(cfg.results_path / "pareto.csv").columns
-    # resumed, the confirmations already made are not repeated
-    device2 = FakeDevice()
-    run(cfg, device2, 6)
-    assert device2.launches == []

@@ -65,7 +65,7 @@ def add_study_options(p: argparse.ArgumentParser, tuning: bool = True) -> None:
 
 def overrides(args: argparse.Namespace) -> dict:
     keys = ("name", "storage", "results_dir", "model", "host", "launch_timeout_s",
-            "memory_budget_gib", "sampler", "seed", "confirm")
+            "memory_budget_gib", "sampler", "seed", "confirm", "replicates")
     out = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "engine", None):
         out["engine"] = args.engine
@@ -120,7 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="search strategy (default auto: GP when scipy and torch import, else TPE)")
     run.add_argument("--seed", type=int, help="sampler seed")
     run.add_argument("--confirm", type=int, metavar="K",
-                     help="re-measure each Pareto member K times at the end")
+                     help="relaunch each Pareto member K times at the end; the front is then "
+                          "formed from the mean of all runs, and a member whose relaunch fails leaves it")
+    run.add_argument("--replicates", type=int, metavar="R",
+                     help="relaunch each baseline R more times to measure launch-to-launch noise, "
+                          "which decides ties on the front (default 1; 0 = no noise measurement)")
     run.add_argument("--quiet", action="store_true", help="no live load-test lines")
     add_study_options(run)
 
@@ -204,12 +208,14 @@ def print_summary(study, cfg) -> None:
     counts = df["failure"].replace("", "measured").value_counts().to_dict()
     print(f"study {cfg.name}: {len(df)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())})",
           file=sys.stderr)
+    print(report.describe_noise(df.attrs.get("noise")), file=sys.stderr)
     print(f"Pareto set ({len(front)} configs):", file=sys.stderr)
     print(report.table(front), file=sys.stderr)
-    print(f"results: {cfg.results_path}/ (trials.csv, pareto.csv, pareto.png, parameters.png, "
-          "best-command.sh)", file=sys.stderr)
+    print(f"results: {cfg.results_path}/ (trials.csv, pareto.csv, levels.csv, noise.json, "
+          "pareto.png, curves.png, parameters.png, best-command.sh)", file=sys.stderr)
     if len(front):
-        print(export.command(export.choose(front, "balanced"), study))
+        print(export.command(export.choose(front, "balanced", df.attrs.get("noise"),
+                                           cfg.tie_tolerance), study))
 
 
 def _study_and_frame(args):
@@ -242,7 +248,8 @@ def cmd_show(args) -> int:
         return 0
     print(df.to_string(index=False) if args.all_columns else report.table(df))
     front = df[df["pareto"]]
-    print(f"\nPareto set: trials {', '.join(str(int(t)) for t in front['trial'])}")
+    print(f"\n{report.describe_noise(df.attrs.get('noise'))}")
+    print(f"Pareto set: trials {', '.join(str(int(t)) for t in front['trial'])}")
     return 0
 
 
@@ -253,7 +260,7 @@ def cmd_export(args) -> int:
     front = df[df["pareto"]]
     if front.empty:
         raise TunerError(f"study {cfg.name} has no feasible measured config yet: run more trials")
-    row = export.choose(front, args.prefer)
+    row = export.choose(front, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance)
     if args.json:
         print(json.dumps(export.params_dict(row), indent=2))
     else:

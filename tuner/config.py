@@ -94,7 +94,9 @@ class StudyConfig:
     results_dir: str = "results"
     sampler: str = "auto"
     seed: int | None = None
-    confirm: int = 0                          # re-measure up to K front members at the end
+    confirm: int = 0                          # relaunch each front member K times at the end
+    replicates: int = 1                       # relaunch each baseline this often: the measured noise
+    gpu_busy_wait_s: float = 120.0            # wait this long for a busy GPU, then skip the config
     use_memory_model: bool = True
     tie_tolerance: float = 0.02               # relative differences below this are ties on the front
 
@@ -209,14 +211,27 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
                       "workload": dict, "slo": dict, "baselines": list}, source, "")
     study = _take(top.get("study", {}), {
         "name": str, "storage": str, "results_dir": str, "sampler": str, "seed": int,
-        "confirm": int, "memory_model": bool, "tie_tolerance": float}, source, "study")
+        "confirm": int, "replicates": int, "memory_model": bool, "tie_tolerance": float},
+        source, "study")
     model = _take(top.get("model", {}), {"path": str}, source, "model")
     server = _take(top.get("server", {}), {
         "extra_args": (list, str), "engine": (list, str), "env": dict, "host": str,
-        "launch_timeout_s": float, "memory_budget_gib": float}, source, "server")
+        "launch_timeout_s": float, "memory_budget_gib": float, "gpu_busy_wait_s": float},
+        source, "server")
     workload_fields = {f.name: f.type for f in fields(Workload)}
     wl_types = {k: _wl_type(t) for k, t in workload_fields.items() if not k.startswith("slo_")}
+    wl_types.update(levels=list, request_rates=list)
     workload = _take(top.get("workload", {}), wl_types, source, "workload")
+    for key, kind in (("levels", int), ("request_rates", (int, float))):
+        if key in workload:
+            values = workload[key]
+            if any(not isinstance(v, kind) or isinstance(v, bool) or v <= 0 for v in values):
+                raise _fail(source, f"workload.{key}", f"expected positive numbers, got {values!r}")
+            if key == "levels" and any(v < 2 for v in values):
+                raise _fail(source, "workload.levels", f"levels are concurrencies above 1 (1 is "
+                            f"always measured: single_stream_requests), got {values!r}")
+            workload[key] = tuple(sorted(set(float(v) if key == "request_rates" else v
+                                             for v in values)))
     slo = _take(top.get("slo", {}), {"ttft_ms": float, "tpot_ms": float, "e2e_ms": float},
                 source, "slo")
 
@@ -263,7 +278,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
 
     for key, value in workload.items():
         if key in ("prompt_tokens", "output_tokens", "single_stream_requests",
-                   "throughput_requests", "max_concurrency") and value < 1:
+                   "throughput_requests", "max_concurrency", "waves", "ttft_level") and value < 1:
             raise _fail(source, f"workload.{key}", f"must be >= 1, got {value}")
         if key in ("warmup_requests",) and value < 0:
             raise _fail(source, f"workload.{key}", f"must be >= 0, got {value}")
@@ -272,6 +287,11 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     if workload.get("endpoint", "completions") not in ("completions", "chat"):
         raise _fail(source, "workload.endpoint", "must be \"completions\" or \"chat\"")
     wl = replace(Workload(), **workload, **{f"slo_{k}": v for k, v in slo.items()})
+    from tuner.loadgen import closed_levels
+
+    if wl.ttft_level is not None and wl.ttft_level != 1 and wl.ttft_level not in closed_levels(wl):
+        raise _fail(source, "workload.ttft_level", f"{wl.ttft_level} is not a load level",
+                    "choose 1 or one of " + ", ".join(map(str, closed_levels(wl))))
 
     sampler = overrides.get("sampler") or study.get("sampler", "auto")
     if sampler not in SAMPLERS:
@@ -289,6 +309,12 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     confirm = overrides.get("confirm", study.get("confirm", 0))
     if confirm < 0:
         raise _fail(source, "study.confirm", f"must be >= 0, got {confirm}")
+    replicates = overrides.get("replicates", study.get("replicates", 1))
+    if replicates < 0:
+        raise _fail(source, "study.replicates", f"must be >= 0, got {replicates}")
+    busy_wait = server.get("gpu_busy_wait_s", 120.0)
+    if busy_wait < 0:
+        raise _fail(source, "server.gpu_busy_wait_s", f"must be >= 0, got {busy_wait}")
 
     return StudyConfig(
         name=name, source=source, model=model_path, extra_args=argv("extra_args"),
@@ -299,6 +325,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         storage=overrides.get("storage") or study.get("storage") or default_storage(name),
         results_dir=overrides.get("results_dir") or study.get("results_dir", "results"),
         sampler=sampler, seed=overrides.get("seed", study.get("seed")), confirm=confirm,
+        replicates=replicates, gpu_busy_wait_s=busy_wait,
         use_memory_model=study.get("memory_model", True),
         tie_tolerance=study.get("tie_tolerance", 0.02),
     )

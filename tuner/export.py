@@ -13,23 +13,47 @@ PREFERENCES = ("balanced", "throughput", "single-stream", "ttft")
 _BY = {"throughput": "throughput_tok_s", "single-stream": "single_stream_tok_s", "ttft": "ttft_ms"}
 
 
-def choose(front: pd.DataFrame, prefer: str = "balanced") -> pd.Series:
-    """The Pareto row a preference picks; confirmed means are used when the front was re-measured.
+def choose(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None = None,
+           tie_tolerance: float = 0.02) -> pd.Series:
+    """The Pareto row a preference picks (objective columns are means over every run of a config).
 
-    balanced: the best sum of objectives scaled to [0, 1] across the front (1 = best on it).
+    throughput / single-stream / ttft: the best on that objective. balanced: the best sum of the
+    objectives scaled to [0, 1] across the front, counting only objectives whose spread across the
+    front is beyond the measured noise (a spread inside it would let noise pick the command); when
+    no objective is, every member is a tie and the highest throughput wins.
     """
     if front.empty:
         raise ValueError("empty Pareto set")
+    if prefer in _BY:
+        keys = [_BY[prefer]]
+    else:
+        keys = balanced_objectives(front, noise, tie_tolerance) or ["throughput_tok_s"]
     score = pd.Series(0.0, index=front.index)
-    keys = [_BY[prefer]] if prefer in _BY else list(OBJECTIVES)
     for k in keys:
-        col = f"{k}_confirm_mean" if f"{k}_confirm_mean" in front.columns else k
-        v = front[col].fillna(front[k]).astype(float)
+        v = front[k].astype(float)
         span = v.max() - v.min()
         s = (v - v.min()) / span if span > 0 else pd.Series(1.0, index=v.index)
         score += s if MAXIMIZE[k] else 1 - s
     best = score.max()
     return front[score == best].sort_values("trial").iloc[0]
+
+
+def balanced_objectives(front: pd.DataFrame, noise: dict | None = None,
+                        tie_tolerance: float = 0.02) -> list[str]:
+    """The objectives `balanced` weighs for this front (those whose spread is beyond the noise)."""
+    from tuner.report import tie_margin
+
+    runs = front["runs"] if "runs" in front.columns else pd.Series(1, index=front.index)
+    runs = runs.fillna(1).astype(int)
+    keys = []
+    for k in OBJECTIVES:
+        v = front[k].astype(float)
+        if v.empty:
+            continue
+        hi, lo = v.idxmax(), v.idxmin()
+        if v[hi] - v[lo] > tie_margin(k, v[hi], v[lo], runs[hi], runs[lo], noise, tie_tolerance):
+            keys.append(k)
+    return keys
 
 
 def launch_params(row: pd.Series) -> space.ServerParams:

@@ -26,25 +26,90 @@ except ImportError:  # pragma: no cover
 
 @dataclass(frozen=True)
 class Workload:
-    """What the load test sends; read from the study file's [workload] table."""
+    """What the load test sends, the same for every config; read from the study file's [workload] table.
+
+    The load levels: concurrency 1 (single-stream speed), then closed-loop concurrency `levels`
+    (default: a ladder of powers of 4 up to `max_concurrency`), then open-loop Poisson
+    `request_rates`. Every config meets exactly these levels, whatever its own flags.
+    """
 
     prompt_tokens: int = 128
     output_tokens: int = 128
     warmup_requests: int = 2
-    single_stream_requests: int = 8
-    throughput_requests: int = 64
-    concurrency: int | None = None       # None: follow the config's max-num-seqs ...
-    max_concurrency: int = 64            # ... capped by this
-    request_rate: float | None = None    # requests/s for an open-loop Poisson phase; None = closed loop
+    single_stream_requests: int = 8      # requests at concurrency 1
+    levels: tuple[int, ...] = ()         # closed-loop concurrency levels above 1; () = ladder to max_concurrency
+    request_rates: tuple[float, ...] = ()  # open-loop Poisson levels, requests/s
+    ttft_level: int | None = None        # the level whose TTFT p50 is the objective; None = the top level
+    waves: int = 4                       # a closed-loop level sends at least waves x concurrency requests ...
+    throughput_requests: int = 32        # ... and at least this many (a rate level sends this many)
+    max_concurrency: int = 64            # top of the default ladder
+    concurrency: int | None = None       # old spelling of levels = [concurrency]
+    request_rate: float | None = None    # old spelling of request_rates = [request_rate]
     request_timeout_s: float = 300.0
     endpoint: str = "completions"        # "completions" | "chat"
-    max_failed_share: float = 0.05       # above this a phase marks the trial load_test_failed
-    # SLOs for goodput (ms); None = no SLO on that metric
+    max_failed_share: float = 0.05       # above this a level marks the trial load_test_failed
+    # SLOs (ms, on p90): goodput counts requests meeting them; throughput is taken at the highest
+    # level that meets them when any is set. None = no SLO on that metric
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     slo_e2e_ms: float | None = None
     seed: int = 0                        # prompts and Poisson arrivals
-    metrics_poll_s: float | None = 2.0   # how often /metrics is sampled during a phase (peaks); None = never
+    metrics_poll_s: float | None = 2.0   # how often /metrics is sampled during a level (peaks); None = never
+
+
+@dataclass(frozen=True)
+class Level:
+    """One load level of the workload: a phase of the load test."""
+
+    name: str                            # "single_stream" | "c16" | "r2.5"
+    concurrency: int                     # closed loop: requests in flight; open loop: the client's cap
+    requests: int
+    request_rate: float | None = None    # open loop (Poisson arrivals), None for closed loop
+
+
+def default_levels(max_concurrency: int) -> tuple[int, ...]:
+    """4, 16, 64, ... below the cap, then the cap itself: the closed-loop ladder above 1."""
+    out, c = [], 4
+    while c < max_concurrency:
+        out.append(c)
+        c *= 4
+    if max_concurrency > 1:
+        out.append(max_concurrency)
+    return tuple(out)
+
+
+def closed_levels(w: Workload) -> tuple[int, ...]:
+    if w.levels:
+        chosen = w.levels
+    elif w.concurrency is not None:
+        chosen = (w.concurrency,)
+    else:
+        chosen = default_levels(w.max_concurrency)
+    return tuple(sorted({c for c in chosen if c > 1}))
+
+
+def load_plan(w: Workload) -> tuple[Level, ...]:
+    """The levels every config is measured at, in order (warm-up not included)."""
+    plan = []
+    if w.single_stream_requests > 0:
+        plan.append(Level("single_stream", 1, w.single_stream_requests))
+    for c in closed_levels(w):
+        plan.append(Level(f"c{c}", c, max(w.waves * c, w.throughput_requests)))
+    rates = tuple(w.request_rates) or ((w.request_rate,) if w.request_rate else ())
+    cap = max(256, 4 * max(closed_levels(w) or (w.max_concurrency,)))
+    for r in sorted(set(rates)):
+        plan.append(Level(f"r{r:g}", cap, w.throughput_requests, r))
+    return tuple(plan)
+
+
+def ttft_level_name(w: Workload) -> str:
+    """The phase whose TTFT is the objective: `ttft_level`, else the top closed-loop level."""
+    plan = [lv for lv in load_plan(w) if lv.request_rate is None]
+    if w.ttft_level is not None:
+        for lv in plan:
+            if lv.concurrency == w.ttft_level:
+                return lv.name
+    return plan[-1].name if plan else ""
 
 
 @dataclass(frozen=True)
@@ -66,6 +131,7 @@ class RequestResult:
     ttft_s: float | None = None       # request start to first content
     itl_s: tuple[float, ...] = ()     # gaps between content chunks
     latency_s: float = 0.0            # request start to the last content chunk
+    queued_s: float = 0.0             # open loop: scheduled arrival to send (counted in ttft/latency)
 
 
 @dataclass(frozen=True)
@@ -207,10 +273,15 @@ def _short(e: BaseException, default: str = "") -> str:
 
 async def stream_request(session: aiohttp.ClientSession, url: str, payload: bytes, *, chat: bool = False,
                          timeout_s: float = 300.0, clock: Callable[[], float] = time.perf_counter,
-                         phase_start: float | None = None) -> RequestResult:
-    """POST one streaming request and time it; never raises (the caller's cancellation aside)."""
-    start = clock()
-    t0 = start if phase_start is None else phase_start
+                         phase_start: float | None = None, scheduled: float | None = None) -> RequestResult:
+    """POST one streaming request and time it; never raises (the caller's cancellation aside).
+
+    `scheduled` (open loop): the arrival time the Poisson process gave this request; TTFT and
+    latency then count from it, so time spent waiting for the client is charged, not hidden.
+    """
+    sent = clock()
+    start = sent if scheduled is None else min(scheduled, sent)
+    t0 = sent if phase_start is None else phase_start
     sse = SSEStream(chat)
     status = None
     kind = err = ""
@@ -257,8 +328,8 @@ async def stream_request(session: aiohttp.ClientSession, url: str, payload: byte
     else:
         itl, ttft, latency = (), None, clock() - start
     return RequestResult(ok=not kind, status=status, error_kind=kind, error=err,
-                         prompt_tokens=prompt_tokens, output_tokens=output_tokens, start_s=start - t0,
-                         ttft_s=ttft, itl_s=itl, latency_s=latency)
+                         prompt_tokens=prompt_tokens, output_tokens=output_tokens, start_s=sent - t0,
+                         ttft_s=ttft, itl_s=itl, latency_s=latency, queued_s=sent - start)
 
 
 # ---------------------------------------------------------------- server-side metrics
@@ -384,15 +455,6 @@ def endpoint_url(base_url: str, endpoint: str) -> str:
     return base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
 
 
-def phase_concurrency(workload: Workload, max_num_seqs: int | None) -> int:
-    """Concurrency of the throughput phase: fixed if the workload says so, else max-num-seqs capped."""
-    if workload.concurrency is not None:
-        return max(1, workload.concurrency)
-    if max_num_seqs is None:
-        return max(1, workload.max_concurrency)
-    return max(1, min(max_num_seqs, workload.max_concurrency))
-
-
 # ---------------------------------------------------------------- progress
 
 class _Progress:
@@ -462,9 +524,9 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
     poller = asyncio.create_task(poll()) if metrics_poll_s and payloads else None
     t0 = clock()
 
-    async def send(i: int) -> None:
+    async def send(i: int, scheduled: float | None = None) -> None:
         r = await stream_request(session, url, payloads[i], chat=chat, timeout_s=timeout_s,
-                                 clock=clock, phase_start=t0)
+                                 clock=clock, phase_start=t0, scheduled=scheduled)
         results[i] = r
         bar.add(r)
 
@@ -480,16 +542,16 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
         rng = random.Random(seed)
         gate = asyncio.Semaphore(concurrency)
 
-        async def gated(i: int) -> None:
-            async with gate:
-                await send(i)
+        async def gated(i: int, scheduled: float) -> None:
+            async with gate:  # a client-side cap only; time waited here counts in TTFT
+                await send(i, scheduled)
 
         tasks, due = [], t0
         for i in range(len(payloads)):
             delay = due - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(gated(i)))
+            tasks.append(asyncio.create_task(gated(i, due)))
             due += rng.expovariate(request_rate)
         await asyncio.gather(*tasks)
     wall = clock() - t0
@@ -517,35 +579,41 @@ def new_session(concurrency: int, trust_env: bool = False) -> aiohttp.ClientSess
                                  headers={"Authorization": f"Bearer {key}"} if key else None)
 
 
-async def run_load_test_async(base_url: str, model: str, workload: Workload, max_num_seqs: int | None,
+async def run_load_test_async(base_url: str, model: str, workload: Workload,
                               progress: bool = True) -> tuple[PhaseResult, ...]:
-    """Warm-up, single-stream and throughput phases; each phase gets its own session and prompts."""
+    """Warm-up, then every level of the workload's plan; one session per level, prompts built first.
+
+    The plan depends on the workload alone, never on the config under test, so every config meets
+    the same offered load. Prompts are distinct across all levels (prefix caching cannot help).
+    """
     base_url = base_url.rstrip("/")
-    c = phase_concurrency(workload, max_num_seqs)
     chat = workload.endpoint == "chat"
     w = workload
-    plan = (("warmup", w.warmup_requests, max(1, min(c, w.warmup_requests)), None),
-            ("single_stream", w.single_stream_requests, 1, None),
-            ("throughput", w.throughput_requests, c, w.request_rate))
+    plan = load_plan(w)
+    if w.warmup_requests > 0:
+        top = max((lv.concurrency for lv in plan if lv.request_rate is None), default=1)
+        plan = (Level("warmup", max(1, min(top, w.warmup_requests)), w.warmup_requests),) + plan
+    async with new_session(16) as session:
+        prompts = await build_prompts(session, base_url, model, sum(lv.requests for lv in plan),
+                                      w.prompt_tokens, w.endpoint, seed=w.seed)
     phases = []
-    for k, (name, n, conc, rate) in enumerate(plan):
-        if n <= 0:
-            continue
-        async with new_session(conc) as session:
-            prompts = await build_prompts(session, base_url, model, n, w.prompt_tokens, w.endpoint,
-                                          seed=w.seed * 1000 + k)
-            payloads = [request_payload(model, p, w.output_tokens, w.endpoint) for p in prompts]
-            phases.append(await run_phase(session, base_url, name, payloads, concurrency=conc, chat=chat,
-                                          timeout_s=w.request_timeout_s, request_rate=rate, seed=w.seed,
-                                          metrics_poll_s=w.metrics_poll_s, progress=progress,
-                                          endpoint=w.endpoint))
+    used = 0
+    for lv in plan:
+        mine, used = prompts[used:used + lv.requests], used + lv.requests
+        payloads = [request_payload(model, p, w.output_tokens, w.endpoint) for p in mine]
+        async with new_session(lv.concurrency) as session:
+            phases.append(await run_phase(session, base_url, lv.name, payloads,
+                                          concurrency=lv.concurrency, chat=chat,
+                                          timeout_s=w.request_timeout_s, request_rate=lv.request_rate,
+                                          seed=w.seed, metrics_poll_s=w.metrics_poll_s,
+                                          progress=progress, endpoint=w.endpoint))
     return tuple(phases)
 
 
-def run_load_test(base_url: str, model: str, workload: Workload, max_num_seqs: int | None,
+def run_load_test(base_url: str, model: str, workload: Workload,
                   progress: bool = True) -> tuple[PhaseResult, ...]:
-    """Warm-up, single-stream and throughput phases against a ready server (synchronous wrapper)."""
-    return run_async(run_load_test_async(base_url, model, workload, max_num_seqs, progress))
+    """Warm-up and every level of the workload against a ready server (synchronous wrapper)."""
+    return run_async(run_load_test_async(base_url, model, workload, progress))
 
 
 def run_async(coro):

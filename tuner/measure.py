@@ -66,8 +66,7 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
         if isinstance(ready, LaunchFailure):
             return replace(base, failure=ready, peak_gpu_memory_bytes=_peak(sampler))
         t1 = time.monotonic()
-        phases = run_load_test(server.base_url, spec.model, workload, spec.params.max_num_seqs,
-                               progress=progress)
+        phases = run_load_test(server.base_url, spec.model, workload, progress=progress)
         metrics = summarize(phases, workload)
         return replace(base, capacity=ready, metrics=metrics, load_s=time.monotonic() - t1,
                        peak_gpu_memory_bytes=_peak(sampler))

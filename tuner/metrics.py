@@ -6,40 +6,68 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-# Windows the throughput phase is cut into for its spread (see LoadMetrics).
-THROUGHPUT_WINDOWS = 8
+@dataclass(frozen=True)
+class LevelMetrics:
+    """One load level of one launch: the point of the config's throughput-latency curve."""
+
+    name: str                              # "single_stream" | "c16" | "r2.5"
+    concurrency: int
+    request_rate: float | None = None
+    requests: int = 0
+    failed: int = 0
+    output_tokens: int = 0                 # successful requests, from usage
+    wall_s: float = 0.0                    # first request sent to last stream ended
+    window_start_s: float | None = None    # the steady-state window (relative to the level's start)
+    window_end_s: float | None = None
+    steady: bool = False                   # False: too short for a steady state, whole-phase rate used
+    throughput_tok_s: float | None = None  # output tok/s in the steady-state window
+    throughput_tok_s_wall: float | None = None  # output tokens / wall_s (ramp-up and drain included)
+    requests_per_s: float | None = None
+    goodput_req_s: float | None = None
+    meets_slos: bool | None = None         # p90 TTFT/TPOT/E2E within the workload's SLOs (None: none set)
+    decode_tok_s: float | None = None      # median per-request (output - 1) / (latency - ttft)
+    ttft_ms: float | None = None           # p50, from request start (open loop: scheduled arrival)
+    ttft_ms_p90: float | None = None
+    ttft_ms_p99: float | None = None
+    ttft_ms_mean: float | None = None
+    tpot_ms: float | None = None
+    tpot_ms_p90: float | None = None
+    itl_ms: float | None = None
+    itl_ms_p90: float | None = None
+    e2e_ms: float | None = None
+    e2e_ms_p90: float | None = None
+    preemptions: float | None = None
+    kv_cache_usage_max: float | None = None
+    num_requests_waiting_max: float | None = None
+    server_ttft_ms_mean: float | None = None
+    failure: str = ""                      # "" or why the level failed (share of failed requests)
 
 
 @dataclass(frozen=True)
 class LoadMetrics:
     """Everything a trial's load test measured, flat, ready for Optuna user attrs and CSV columns.
 
-    Definitions (all from the client's clock; warm-up excluded):
+    Every config meets the same levels (the workload's, never its own flags). Definitions (client
+    clock, warm-up excluded, tokens from `usage`):
 
-    - `single_stream_tok_s`: median over the single-stream requests of the decode rate
+    - `single_stream_tok_s`: at concurrency 1, median over requests of the decode rate
       (output_tokens - 1) / (latency - ttft). Spread: IQR of those per-request rates.
-    - `throughput_tok_s`: output tokens (from `usage`) of the throughput phase's successful requests /
-      the phase's wall time (first request sent to last stream ended). Spread: the phase's wall time
-      is cut into 8 equal windows, each window's rate is its content chunks x (usage tokens / content
-      chunks); the spread is the IQR of the 8 window rates (ramp-up and drain included, so a phase
-      whose rate swings shows it).
-    - `ttft_ms`: p50 TTFT of the throughput phase (p90, p99, mean too). Spread: IQR of per-request TTFT.
-    - `tpot_ms`: per-request (latency - ttft) / (output_tokens - 1), percentiles over requests.
-    - `itl_ms`: every gap between content chunks of every request, percentiles over gaps.
-    - `e2e_ms`: request start to its last content chunk.
-    - `goodput_req_s`: successful requests meeting every SLO set in the workload / wall time.
-    - `error_rate`: failed / sent over single-stream and throughput phases.
-    - `preemptions`: increase of vllm:num_preemptions_total over the throughput phase (the KV cache
-      ran out at runtime); `kv_cache_usage_max`: the highest vllm:kv_cache_usage_perc seen while it ran.
-    - `server_ttft_ms_mean`, `server_itl_ms_mean`: vLLM's own histogram mean over the throughput
-      phase (sum delta / count delta), a cross-check of the client's figures.
+    - `throughput_tok_s`: steady-state output tok/s at the throughput level: the top closed-loop
+      level, or with SLOs set the highest level whose p90s meet them (goodput); 0 when none does.
+      Steady state: the window from the first completed request (ramp-up over) to the last request
+      sent (drain starts), output tokens of content chunks arriving in it over its length.
+    - `ttft_ms`: p50 TTFT at the workload's TTFT level (`ttft_level`, else the top level), from
+      request start, so time queued in the server counts; open loop from the scheduled arrival.
+    - The TPOT/ITL/E2E percentiles, preemptions, KV usage and server cross-checks are those of the
+      throughput level; `levels` holds every level's figures (the config's curve).
+    - `error_rate`: failed / sent over every measured level.
     """
 
     single_stream_tok_s: float | None = None
     single_stream_tok_s_spread: float | None = None
     throughput_tok_s: float | None = None
-    throughput_tok_s_spread: float | None = None
-    ttft_ms: float | None = None          # p50 in the throughput phase
+    throughput_tok_s_wall: float | None = None
+    ttft_ms: float | None = None          # p50 at the TTFT level
     ttft_ms_spread: float | None = None
     ttft_ms_p90: float | None = None
     ttft_ms_p99: float | None = None
@@ -61,19 +89,25 @@ class LoadMetrics:
     requests_per_s: float | None = None
     goodput_req_s: float | None = None
     error_rate: float = 0.0
-    concurrency: int | None = None
-    preemptions: float | None = None      # vllm:num_preemptions_total delta over the throughput phase
+    concurrency: int | None = None        # the throughput level's concurrency
+    throughput_level: str = ""
+    ttft_level: str = ""
+    steady: bool | None = None            # the throughput level had a steady-state window
+    window_start_s: float | None = None
+    window_end_s: float | None = None
+    preemptions: float | None = None      # vllm:num_preemptions_total delta over every level
     kv_cache_usage_max: float | None = None
-    load_test_failed: str = ""            # "" or the reason a phase failed
-    # Added beyond the first contract: counts and the server-side cross-check.
-    requests_sent: int = 0                # single-stream + throughput phases
+    load_test_failed: str = ""            # "" or the reason a level failed
+    requests_sent: int = 0                # every measured level
     requests_failed: int = 0
-    output_tokens_total: int = 0          # throughput phase, from usage
+    output_tokens_total: int = 0          # throughput level, from usage
     throughput_wall_s: float | None = None
     num_requests_waiting_max: float | None = None
     server_ttft_ms_mean: float | None = None
     server_itl_ms_mean: float | None = None
     error_kinds: str = ""                 # e.g. "timeout:3,http_error:1" over all phases
+    top_error: str = ""                   # the most common error of failed requests, one line
+    levels: tuple[LevelMetrics, ...] = ()
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -139,27 +173,45 @@ def meets_slos(r, workload) -> bool:
     return True
 
 
-def window_rates(requests: Iterable, wall_s: float, windows: int = THROUGHPUT_WINDOWS) -> list[float]:
-    """Output tok/s in each of `windows` equal slices of the phase, from content-chunk arrival times.
-
-    Each request's chunks are weighted by usage tokens / chunks, so the rates add up to the usage total.
-    """
-    if wall_s <= 0 or windows < 1:
+def chunk_times(r) -> list[float]:
+    """Arrival times of a request's content chunks, relative to its level's start."""
+    if not r.ok or r.ttft_s is None:
         return []
-    counts = [0.0] * windows
-    width = wall_s / windows
+    t = r.start_s - r.queued_s + r.ttft_s
+    times = [t]
+    for gap in r.itl_s:
+        t += gap
+        times.append(t)
+    return times
+
+
+def steady_window(requests: Sequence, concurrency: int) -> tuple[float, float] | None:
+    """(start, end) of a level's steady state, or None when it has none.
+
+    Closed loop keeps `concurrency` requests in flight from the first completion (the ramp-up is
+    over: the first wave is decoding and the next request has been sent) until the last request is
+    sent (after that the loop drains). A level shorter than two waves has no such window.
+    """
+    ok = [r for r in requests if r.ok and r.ttft_s is not None]
+    if len(requests) < 2 * concurrency or not ok:
+        return None
+    start = min(r.start_s - r.queued_s + r.latency_s for r in ok)
+    end = max(r.start_s for r in requests)
+    if end <= start:
+        return None
+    return start, end
+
+
+def window_rate(requests: Iterable, start: float, end: float) -> float:
+    """Output tok/s from content chunks arriving in [start, end), each weighted by usage / chunks."""
+    tokens = 0.0
     for r in requests:
-        if not r.ok or r.ttft_s is None:
+        times = chunk_times(r)
+        if not times:
             continue
-        weight = r.output_tokens / (len(r.itl_s) + 1)
-        t = r.start_s + r.ttft_s
-        times = [t]
-        for gap in r.itl_s:
-            t += gap
-            times.append(t)
-        for t in times:
-            counts[min(max(int(t / width), 0), windows - 1)] += weight
-    return [c / width for c in counts]
+        weight = r.output_tokens / len(times)
+        tokens += weight * sum(1 for t in times if start <= t < end)
+    return tokens / (end - start)
 
 
 def _ms(x: float | None) -> float | None:
@@ -205,24 +257,85 @@ def failure_reason(phase, max_failed_share: float) -> str:
             f"(first: {first.error_kind}: {first.error})")[:300]
 
 
+def level_metrics(phase, workload) -> LevelMetrics:
+    """The figures of one level (a phase of the load test)."""
+    ok = [r for r in phase.requests if r.ok and r.ttft_s is not None]
+    ttft = [r.ttft_s for r in ok]
+    tpot = [x for x in map(tpot_s, ok) if x is not None]
+    itl = [g for r in ok for g in r.itl_s]
+    e2e = [r.latency_s for r in ok]
+    tokens = sum(r.output_tokens for r in ok)
+    wall = phase.wall_s
+    out: dict = {"name": phase.name, "concurrency": phase.concurrency,
+                 "request_rate": phase.request_rate, "requests": len(phase.requests),
+                 "failed": len(phase.requests) - len([r for r in phase.requests if r.ok]),
+                 "output_tokens": tokens, "wall_s": wall,
+                 "failure": failure_reason(phase, workload.max_failed_share)}
+    if wall > 0 and ok:
+        out["throughput_tok_s_wall"] = tokens / wall
+        out["requests_per_s"] = len(ok) / wall
+        out["goodput_req_s"] = sum(1 for r in ok if meets_slos(r, workload)) / wall
+        window = None
+        if phase.request_rate is None and phase.concurrency > 1:
+            window = steady_window(phase.requests, phase.concurrency)
+        elif phase.request_rate is not None and len(ok) >= 4:
+            # open loop: from the first completion to the last arrival
+            end = max(r.start_s - r.queued_s for r in phase.requests)
+            start = min(r.start_s - r.queued_s + r.latency_s for r in ok)
+            window = (start, end) if end > start else None
+        if window is not None:
+            out.update(window_start_s=window[0], window_end_s=window[1], steady=True,
+                       throughput_tok_s=window_rate(ok, *window))
+        else:
+            out["throughput_tok_s"] = tokens / wall
+    rates = [x for x in map(decode_tok_s, ok) if x is not None]
+    out["decode_tok_s"] = percentile(rates, 50)
+    for name, vals in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", e2e)):
+        out[name] = _ms(percentile(vals, 50))
+        out[name + "_p90"] = _ms(percentile(vals, 90))
+    out["ttft_ms_p99"] = _ms(percentile(ttft, 99))
+    out["ttft_ms_mean"] = _ms(mean(ttft))
+    if any(v is not None for v in (workload.slo_ttft_ms, workload.slo_tpot_ms, workload.slo_e2e_ms)):
+        out["meets_slos"] = bool(ok) and not out["failure"] and all(
+            slo is None or got is None or got <= slo
+            for slo, got in ((workload.slo_ttft_ms, out["ttft_ms_p90"]),
+                             (workload.slo_tpot_ms, out["tpot_ms_p90"]),
+                             (workload.slo_e2e_ms, out["e2e_ms_p90"])))
+    out["preemptions"] = _delta(phase, "vllm:num_preemptions_total")
+    out["kv_cache_usage_max"] = _peak(phase, "vllm:kv_cache_usage_perc")
+    out["num_requests_waiting_max"] = _peak(phase, "vllm:num_requests_waiting")
+    out["server_ttft_ms_mean"] = _hist_mean_ms(phase, "vllm:time_to_first_token_seconds")
+    return LevelMetrics(**out)
+
+
 def summarize(phases, workload) -> LoadMetrics:
     """LoadMetrics from the phases of one load test (warm-up excluded)."""
-    by_name = {p.name: p for p in phases}
+    measured_phases = [p for p in phases if p.name != "warmup"]
+    by_name = {p.name: p for p in measured_phases}
     single = by_name.get("single_stream")
-    thr = by_name.get("throughput")
-    out: dict = {}
+    levels = tuple(level_metrics(p, workload) for p in measured_phases)
+    out: dict = {"levels": levels}
 
-    reasons = [failure_reason(p, workload.max_failed_share) for p in phases if p.name != "warmup"]
+    reasons = [lv.failure for lv in levels]
     out["load_test_failed"] = "; ".join(r for r in reasons if r)
-    measured = [r for p in phases if p.name != "warmup" for r in p.requests]
+    measured = [r for p in measured_phases for r in p.requests]
     failed = [r for r in measured if not r.ok]
     out["requests_sent"] = len(measured)
     out["requests_failed"] = len(failed)
     out["error_rate"] = len(failed) / len(measured) if measured else 0.0
     kinds: dict[str, int] = {}
+    messages: dict[str, int] = {}
     for r in (r for p in phases for r in p.requests if not r.ok):
         kinds[r.error_kind] = kinds.get(r.error_kind, 0) + 1
+        key = f"{r.error_kind}: {r.error}"[:200]
+        messages[key] = messages.get(key, 0) + 1
     out["error_kinds"] = ",".join(f"{k}:{v}" for k, v in sorted(kinds.items()))
+    if messages:
+        out["top_error"] = max(messages.items(), key=lambda kv: kv[1])[0]
+    preempt = [lv.preemptions for lv in levels if lv.preemptions is not None]
+    out["preemptions"] = sum(preempt) if preempt else None
+    kv = [lv.kv_cache_usage_max for lv in levels if lv.kv_cache_usage_max is not None]
+    out["kv_cache_usage_max"] = max(kv) if kv else None
 
     if single is not None:
         rates = [x for x in map(decode_tok_s, single.requests) if x is not None]
@@ -239,31 +352,52 @@ def summarize(phases, workload) -> LoadMetrics:
         out["single_stream_ttft_ms"] = _ms(percentile(
             [r.ttft_s for r in single.requests if r.ok and r.ttft_s is not None], 50))
 
-    if thr is not None:
-        ok = [r for r in thr.requests if r.ok and r.ttft_s is not None]
-        ttft = [r.ttft_s for r in ok]
-        tpot = [x for x in map(tpot_s, ok) if x is not None]
-        itl = [g for r in ok for g in r.itl_s]
-        e2e = [r.latency_s for r in ok]
-        tokens = sum(r.output_tokens for r in ok)
-        wall = thr.wall_s
-        out["concurrency"] = thr.concurrency
-        out["output_tokens_total"] = tokens
-        out["throughput_wall_s"] = wall
-        if wall > 0 and ok:
-            out["throughput_tok_s"] = tokens / wall
-            out["throughput_tok_s_spread"] = iqr(window_rates(ok, wall))
-            out["requests_per_s"] = len(ok) / wall
-            out["goodput_req_s"] = sum(1 for r in ok if meets_slos(r, workload)) / wall
-        for name, vals in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", e2e)):
-            out[name] = _ms(percentile(vals, 50))
-            out[name + "_p90"] = _ms(percentile(vals, 90))
-            out[name + "_p99"] = _ms(percentile(vals, 99))
-            out[name + "_mean"] = _ms(mean(vals))
-        out["ttft_ms_spread"] = _ms(iqr(ttft))
-        out["preemptions"] = _delta(thr, "vllm:num_preemptions_total")
-        out["kv_cache_usage_max"] = _peak(thr, "vllm:kv_cache_usage_perc")
-        out["num_requests_waiting_max"] = _peak(thr, "vllm:num_requests_waiting")
-        out["server_ttft_ms_mean"] = _hist_mean_ms(thr, "vllm:time_to_first_token_seconds")
-        out["server_itl_ms_mean"] = _hist_mean_ms(thr, "vllm:inter_token_latency_seconds")
+    loaded = [lv for lv in levels if lv.name != "single_stream"] or list(levels)
+    closed = [lv for lv in loaded if lv.request_rate is None] or loaded
+    if not closed:
+        return LoadMetrics(**out)
+    top = max(closed, key=lambda lv: lv.concurrency)
+    thr_level = top
+    slo_set = any(v is not None for v in (workload.slo_ttft_ms, workload.slo_tpot_ms,
+                                           workload.slo_e2e_ms))
+    if slo_set:
+        meeting = [lv for lv in levels if lv.request_rate is None and lv.meets_slos]
+        thr_level = max(meeting, key=lambda lv: lv.concurrency) if meeting else None
+    from tuner.loadgen import ttft_level_name
+
+    wanted = ttft_level_name(workload)
+    ttft_lv = next((lv for lv in levels if lv.name == wanted), top)
+    out["ttft_level"] = ttft_lv.name
+    out["ttft_ms"] = ttft_lv.ttft_ms
+    out["ttft_ms_p90"] = ttft_lv.ttft_ms_p90
+    out["ttft_ms_p99"] = ttft_lv.ttft_ms_p99
+    out["ttft_ms_mean"] = ttft_lv.ttft_ms_mean
+    tp = by_name[ttft_lv.name]
+    ttft_all = [r.ttft_s for r in tp.requests if r.ok and r.ttft_s is not None]
+    out["ttft_ms_spread"] = _ms(iqr(ttft_all))
+    if thr_level is None:  # SLOs set and no level meets them: no goodput at all
+        out["throughput_level"] = "none meets the SLOs"
+        out["throughput_tok_s"] = 0.0
+        thr_level = top
+    else:
+        out["throughput_level"] = thr_level.name
+        out["throughput_tok_s"] = thr_level.throughput_tok_s
+    lv = thr_level
+    out.update(throughput_tok_s_wall=lv.throughput_tok_s_wall, concurrency=lv.concurrency,
+               steady=lv.steady, window_start_s=lv.window_start_s, window_end_s=lv.window_end_s,
+               output_tokens_total=lv.output_tokens, throughput_wall_s=lv.wall_s,
+               requests_per_s=lv.requests_per_s, goodput_req_s=lv.goodput_req_s,
+               num_requests_waiting_max=lv.num_requests_waiting_max,
+               server_ttft_ms_mean=lv.server_ttft_ms_mean)
+    p = by_name[lv.name]
+    ok = [r for r in p.requests if r.ok and r.ttft_s is not None]
+    tpot = [x for x in map(tpot_s, ok) if x is not None]
+    itl = [g for r in ok for g in r.itl_s]
+    e2e = [r.latency_s for r in ok]
+    for name, vals in (("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", e2e)):
+        out[name] = _ms(percentile(vals, 50))
+        out[name + "_p90"] = _ms(percentile(vals, 90))
+        out[name + "_p99"] = _ms(percentile(vals, 99))
+        out[name + "_mean"] = _ms(mean(vals))
+    out["server_itl_ms_mean"] = _hist_mean_ms(p, "vllm:inter_token_latency_seconds")
     return LoadMetrics(**out)

@@ -12,8 +12,8 @@ from tuner.config import StudyConfig
 OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
 MAXIMIZE = {"single_stream_tok_s": True, "throughput_tok_s": True, "ttft_ms": False}
 LABELS = {"single_stream_tok_s": "single-stream speed (tok/s, concurrency 1)",
-          "throughput_tok_s": "throughput (output tok/s)",
-          "ttft_ms": "TTFT p50 under load (ms)"}
+          "throughput_tok_s": "throughput (steady-state output tok/s, top level)",
+          "ttft_ms": "TTFT p50 at the TTFT level (ms)"}
 PARAMS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
           "enforce_eager", "kv_cache_dtype")
 FIRST_COLUMNS = ["trial", "state", "failure", *PARAMS, *OBJECTIVES, "pareto", "feasible",
@@ -23,12 +23,30 @@ SKIPPED = ("duplicate",)
 
 # ---------------------------------------------------------------- the DataFrame
 
+# A difference counts only beyond NOISE_Z standard errors of the difference of two means, each
+# from the launch-to-launch noise measured on replicate launches (about 95 % for NOISE_Z = 2).
+NOISE_Z = 2.0
+LEVEL_COLUMNS = ("throughput_tok_s", "ttft_ms", "ttft_ms_p90", "tpot_ms", "e2e_ms_p90", "steady")
+
+
+def extra_runs(study, number: int) -> list[dict]:
+    """The replicate and confirmation launches of trial `number` (older studies: confirm:N)."""
+    runs = list(study.user_attrs.get(f"runs:{number}", []))
+    runs += [dict(r, kind="confirm") for r in study.user_attrs.get(f"confirm:{number}", [])]
+    return runs
+
 
 def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
-    """One row per trial (duplicates left out): params, objectives, failure, every measured attr."""
+    """One row per trial (duplicates left out): params, objectives, failure, every measured attr.
+
+    The objective columns are the mean over every successful launch of the config (the trial and
+    its replicates or confirmations); `{k}_first` is the trial's own launch, `runs` the count.
+    The launch-to-launch noise, estimated from configs launched more than once, is in
+    `df.attrs["noise"]` and decides the ties of the `pareto` column.
+    """
     from optuna.trial import TrialState
 
-    rows = []
+    rows, groups = [], {k: [] for k in OBJECTIVES}
     for t in study.get_trials(deepcopy=False):
         a = t.user_attrs
         if a.get("failure") in SKIPPED or t.state == TrialState.WAITING:
@@ -37,18 +55,26 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
         row.update(t.params)
         feasible = t.state == TrialState.COMPLETE and all(v <= 0 for v in t.constraints.values())
         row["feasible"] = feasible
-        if t.state == TrialState.COMPLETE and feasible:
-            row.update(dict(zip(OBJECTIVES, t.values)))
         row.update({f"constraint_{k}": v for k, v in t.constraints.items()})
-        row.update({k: v for k, v in a.items() if k not in ("failure_log_tail",)})
-        for key, n in sample_counts(study).items():  # trials recorded before counts were kept
-            if t.state == TrialState.COMPLETE:
-                row.setdefault(key, n)
+        row.update({k: v for k, v in a.items() if k not in ("failure_log_tail", "levels")})
+        row.update(level_columns(a.get("levels", [])))
         row.setdefault("failure", "")
         row.setdefault("baseline", "")
-        confirm = study.user_attrs.get(f"confirm:{t.number}")
-        if confirm:
-            row.update(confirm_columns(row, confirm))
+        if t.state == TrialState.COMPLETE and feasible:
+            runs = [dict(zip(OBJECTIVES, t.values))]
+            extra = extra_runs(study, t.number)
+            runs += [r for r in extra if not r.get("failure")]
+            failed = [r for r in extra if r.get("failure")]
+            row["runs"] = len(runs)
+            row["relaunch_failed"] = failed[0]["failure"] if failed else ""
+            for k in OBJECTIVES:
+                values = [float(r[k]) for r in runs if r.get(k) is not None]
+                row[f"{k}_first"] = t.values[OBJECTIVES.index(k)]
+                row[k] = sum(values) / len(values)
+                if len(values) >= 2:
+                    m = row[k]
+                    row[f"{k}_std"] = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+                    groups[k].append(values)
         rows.append(row)
     df = pd.DataFrame(rows)
     for col in FIRST_COLUMNS:
@@ -56,49 +82,69 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
             df[col] = pd.NA if col not in ("pareto", "feasible") else False
     df["failure"] = df["failure"].fillna("")
     df["baseline"] = df["baseline"].fillna("")
-    df["pareto"] = pareto_mask(df, tie_tolerance) if len(df) else []
-    df["strict_pareto"] = pareto_mask(df, 0.0, use_spread=False) if len(df) else []
+    if "relaunch_failed" in df.columns:
+        df["relaunch_failed"] = df["relaunch_failed"].fillna("")
+    noise = noise_estimate(groups)
+    df["pareto"] = pareto_mask(df, tie_tolerance, noise) if len(df) else []
+    df["strict_pareto"] = pareto_mask(df, 0.0, None) if len(df) else []
     rest = [c for c in df.columns if c not in FIRST_COLUMNS]
-    return df[FIRST_COLUMNS + rest].sort_values("trial").reset_index(drop=True)
+    df = df[FIRST_COLUMNS + rest].sort_values("trial").reset_index(drop=True)
+    df.attrs["noise"] = noise
+    return df
 
 
-def sample_counts(study) -> dict:
-    """Samples behind each objective's spread, from the study's workload."""
-    from tuner.metrics import THROUGHPUT_WINDOWS
-
-    w = study.user_attrs.get("config", {}).get("workload", {})
-    if not w:
-        return {}
-    return {"single_stream_tok_s_n": w.get("single_stream_requests"),
-            "ttft_ms_n": w.get("throughput_requests"), "throughput_tok_s_n": THROUGHPUT_WINDOWS}
-
-
-def confirm_columns(row: dict, runs: list[dict]) -> dict:
-    """Mean and standard deviation over the first measurement and the confirmation runs."""
-    out = {"confirm_runs": len(runs)}
-    for k in OBJECTIVES:
-        values = [v for v in [row.get(k), *(r.get(k) for r in runs)] if v is not None]
-        if values:
-            mean = sum(values) / len(values)
-            var = sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)
-            out[f"{k}_confirm_mean"] = mean
-            out[f"{k}_confirm_std"] = math.sqrt(var)
+def level_columns(levels: list[dict]) -> dict:
+    """Flat CSV columns of every load level: c16_throughput_tok_s, c16_ttft_ms, ..."""
+    out = {}
+    for lv in levels:
+        for key in LEVEL_COLUMNS:
+            if key in lv:
+                out[f"{lv['name']}_{key}"] = lv[key]
     return out
 
 
-def pareto_mask(df: pd.DataFrame, tie_tolerance: float, use_spread: bool = True) -> pd.Series:
+def noise_estimate(groups: dict[str, list[list[float]]]) -> dict:
+    """Launch-to-launch noise per objective: the pooled coefficient of variation over every config
+    measured more than once, with its degrees of freedom. {} when nothing was launched twice."""
+    out = {}
+    for k, sets in groups.items():
+        num = dof = 0.0
+        for values in sets:
+            m = sum(values) / len(values)
+            if m == 0:
+                continue
+            num += sum((v - m) ** 2 for v in values) / m ** 2
+            dof += len(values) - 1
+        if dof:
+            out[k] = {"cv": math.sqrt(num / dof), "dof": int(dof), "configs": len(sets)}
+    return out
+
+
+def tie_margin(key: str, a: float, b: float, na: int, nb: int, noise: dict | None,
+               tie_tolerance: float) -> float:
+    """The difference between two configs' means of objective `key` that is still a tie."""
+    margin = tie_tolerance * max(abs(a), abs(b))
+    cv = (noise or {}).get(key, {}).get("cv")
+    if cv:
+        margin = max(margin, NOISE_Z * cv * math.sqrt(a * a / max(na, 1) + b * b / max(nb, 1)))
+    return margin
+
+
+def pareto_mask(df: pd.DataFrame, tie_tolerance: float, noise: dict | None = None) -> pd.Series:
     """Feasible trials that no other feasible trial beats beyond the noise on any objective.
 
     a dominates b when a is nowhere worse than b by more than the tie margin and somewhere better
     by more than it. The margin per objective is the larger of `tie_tolerance` times the value and
-    two standard errors of the figure, estimated from its recorded spread (an IQR over `{k}_n`
-    samples: per-request values for medians, time windows for throughput), so differences inside
-    the noise are ties. Without a sample count the spread is taken as the error itself.
+    NOISE_Z standard errors of the difference of the two means, from the measured launch-to-launch
+    noise and each config's number of runs. A config whose relaunch failed is not on the front.
     """
     feasible = df["feasible"].astype(bool) & df[list(OBJECTIVES)].notna().all(axis=1)
+    if "relaunch_failed" in df.columns:
+        feasible &= df["relaunch_failed"].fillna("") == ""
     idx = list(df.index[feasible])
     vals = {i: [float(df.at[i, k]) for k in OBJECTIVES] for i in idx}
-    spreads = {i: [_spread(df, i, k) if use_spread else 0.0 for k in OBJECTIVES] for i in idx}
+    runs = {i: int(df.at[i, "runs"]) if "runs" in df.columns and pd.notna(df.at[i, "runs"]) else 1
+            for i in idx}
 
     def dominates(a: int, b: int) -> bool:
         strictly = False
@@ -106,8 +152,7 @@ def pareto_mask(df: pd.DataFrame, tie_tolerance: float, use_spread: bool = True)
             gain = vals[a][j] - vals[b][j]
             if not MAXIMIZE[k]:
                 gain = -gain
-            margin = max(tie_tolerance * max(abs(vals[a][j]), abs(vals[b][j])),
-                         max(spreads[a][j], spreads[b][j]))
+            margin = tie_margin(k, vals[a][j], vals[b][j], runs[a], runs[b], noise, tie_tolerance)
             if gain < -margin:
                 return False
             if gain > margin or (margin == 0 and gain > 0):
@@ -116,22 +161,8 @@ def pareto_mask(df: pd.DataFrame, tie_tolerance: float, use_spread: bool = True)
 
     front = {i for i in idx if not any(dominates(o, i) for o in idx if o != i)}
     if idx and not front:  # ties can in rare cases dominate in a cycle: fall back to the strict front
-        return pareto_mask(df, 0.0, use_spread=False)
+        return pareto_mask(df, 0.0, None)
     return pd.Series([i in front for i in df.index], index=df.index)
-
-
-def _spread(df: pd.DataFrame, i, key: str) -> float:
-    """The noise term of the tie margin: two standard errors of the trial's figure."""
-    col = f"{key}_spread"
-    if col not in df.columns or pd.isna(df.at[i, col]):
-        return 0.0
-    iqr = float(df.at[i, col])
-    n_col = f"{key}_n"
-    if n_col not in df.columns or pd.isna(df.at[i, n_col]) or df.at[i, n_col] < 2:
-        return iqr / 2
-    sigma = iqr / 1.349                      # IQR of a normal distribution is 1.349 sigma
-    factor = 1.0 if key == "throughput_tok_s" else 1.253  # a mean of windows; else a median
-    return 2 * factor * sigma / math.sqrt(float(df.at[i, n_col]))
 
 
 def outcome(row) -> str:
@@ -156,18 +187,37 @@ def write_trials(study, cfg: StudyConfig) -> pd.DataFrame:
 
 
 def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame:
-    """trials.csv, pareto.csv, the plots and best-command.sh."""
+    """trials.csv, pareto.csv, levels.csv, noise.json, the plots and best-command.sh."""
+    import json
+
     from tuner import export
 
     df = write_trials(study, cfg)
     folder = cfg.results_path
     front = df[df["pareto"]]
     _write_csv(front, folder / "pareto.csv")
-    plot_all(df, folder, title=cfg.name)
+    levels = levels_frame(study)
+    _write_csv(levels, folder / "levels.csv")
+    (folder / "noise.json").write_text(json.dumps(df.attrs.get("noise", {}), indent=2) + "\n")
+    plot_all(df, folder, title=cfg.name, levels=levels)
     if len(front):
-        row = export.choose(front, prefer)
+        row = export.choose(front, prefer, df.attrs.get("noise"))
         (folder / "best-command.sh").write_text(export.script(row, study))
     return df
+
+
+def levels_frame(study) -> pd.DataFrame:
+    """One row per launch and load level: each config's throughput-latency curve, every run."""
+    from optuna.trial import TrialState
+
+    rows = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        launches = [("trial", t.user_attrs.get("levels", []))]
+        launches += [(r.get("kind", "run"), r.get("levels", [])) for r in extra_runs(study, t.number)]
+        for i, (kind, levels) in enumerate(launches):
+            for lv in levels:
+                rows.append({"trial": t.number, "launch": i, "kind": kind, **lv})
+    return pd.DataFrame(rows)
 
 
 def _write_csv(df: pd.DataFrame, path: Path) -> None:
@@ -186,13 +236,44 @@ STYLE = {"pareto": dict(color="#d62728", marker="*", s=160, zorder=4, label="Par
          "failed": dict(color="#000000", marker="s", s=30, zorder=1, label="failed")}
 
 
-def plot_all(df: pd.DataFrame, folder: Path, title: str = "") -> list[Path]:
+def plot_all(df: pd.DataFrame, folder: Path, title: str = "",
+             levels: pd.DataFrame | None = None) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     paths = [plot_projections(df, folder / "pareto.png", title),
              plot_parameters(df, folder / "parameters.png", title)]
+    if levels is not None and len(levels):
+        paths.append(plot_curves(df, levels, folder / "curves.png", title))
     return paths
+
+
+def plot_curves(df: pd.DataFrame, levels: pd.DataFrame, path: Path, title: str = "") -> Path:
+    """Each measured config's throughput-latency curve over the workload's levels (first launch)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    first = levels[(levels["launch"] == 0) & levels["throughput_tok_s"].notna()
+                   & levels["ttft_ms"].notna()]
+    front = set(df[df["pareto"]]["trial"].astype(int))
+    for number, part in first.groupby("trial"):
+        part = part.sort_values([c for c in ("request_rate", "concurrency") if c in part.columns],
+                                na_position="first")
+        on = int(number) in front
+        ax.plot(part["throughput_tok_s"], part["ttft_ms"], marker="o", ms=4 if not on else 6,
+                lw=2 if on else 0.8, alpha=0.95 if on else 0.35,
+                color=None if on else "#7f7f7f", label=f"trial {int(number)}" if on else None)
+    ax.set_xlabel("output tok/s at the level (steady state)")
+    ax.set_ylabel("TTFT p50 at the level (ms)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    if front:
+        ax.legend(fontsize=8, title="Pareto set")
+    ax.set_title(f"{title}: load curves, one point per level (grey: off the front)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_projections(df: pd.DataFrame, path: Path, title: str = "") -> Path:
@@ -287,9 +368,20 @@ def plot_parameters(df: pd.DataFrame, path: Path, title: str = "") -> Path:
     return path
 
 
+def describe_noise(noise: dict | None) -> str:
+    """One line on the launch-to-launch noise that decides ties."""
+    if not noise:
+        return ("launch-to-launch noise: not measured yet (no config launched twice); ties use the "
+                "tie tolerance alone")
+    parts = [f"{k} {v['cv'] * 100:.1f} %" for k, v in noise.items()]
+    dof = max(v["dof"] for v in noise.values())
+    return (f"launch-to-launch noise (coefficient of variation, {dof} degrees of freedom): "
+            + ", ".join(parts) + f"; differences within {NOISE_Z:g} standard errors are ties")
+
+
 def table(df: pd.DataFrame, columns: list[str] | None = None) -> str:
     cols = columns or ["trial", "state", "failure", "gpu_memory_utilization", "max_model_len",
-                       "max_num_seqs", *OBJECTIVES, "pareto", "baseline"]
+                       "max_num_seqs", *OBJECTIVES, "runs", "pareto", "baseline"]
     cols = [c for c in cols if c in df.columns]
     view = df[cols].copy()
     for c in OBJECTIVES:

@@ -30,8 +30,13 @@ DIRECTIONS = ("maximize", "maximize", "minimize")
 CONSTRAINTS = ("memory", "launch", "load_test", "slo")
 # Trials that were not launched (the memory model ruled them out, or the config was measured
 # already) do not count towards --trials, so a run of N trials means N launches at most.
-SKIPPED_KINDS = ("predicted_infeasible", "duplicate")
+SKIPPED_KINDS = ("predicted_infeasible", "duplicate", "gpu_busy")
 MAX_ASKS_PER_TRIAL = 20
+# A study stops rather than relaunch servers for nothing: after this many tuner errors or busy-GPU
+# skips in a row, and at once when (nearly) every request of a launch failed with one error.
+MAX_TUNER_ERRORS_IN_A_ROW = 3
+MAX_BUSY_IN_A_ROW = 3
+ALL_FAILED_SHARE = 0.9
 
 Measure = Callable[..., TrialOutcome]
 
@@ -231,6 +236,36 @@ def _flat(prefix: str, obj) -> dict:
             if v is not None and not isinstance(v, (tuple, list, dict))}
 
 
+def level_dicts(m: LoadMetrics) -> list[dict]:
+    return [{k: v for k, v in asdict(lv).items() if v is not None and v != ""} for lv in m.levels]
+
+
+def run_dict(outcome: TrialOutcome, kind: str) -> dict:
+    """One extra launch of a measured config (a replicate or a confirmation), for study storage."""
+    m = outcome.metrics
+    run = {"kind": kind, "failure": outcome.failure_kind, "launch_s": round(outcome.launch_s, 2),
+           "log_path": outcome.log_path}
+    if outcome.failure is not None:
+        run["failure_message"] = outcome.failure.message[:300]
+    if m is not None:
+        run.update({k: getattr(m, k) for k in OBJECTIVES})
+        run["levels"] = level_dicts(m)
+        if m.load_test_failed:
+            run["failure_message"] = m.load_test_failed[:300]
+    return run
+
+
+def config_key(params: dict, dimensions) -> tuple:
+    """A config's identity: its params on the space's grid, so 0.07 and 0.07000000000000001 are one."""
+    out = []
+    for d in dimensions:
+        v = params.get(d.name)
+        if isinstance(v, float):
+            v = d.snap(v) if d.step and not d.choices else round(v, 6)
+        out.append((d.name, v))
+    return tuple(out)
+
+
 def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
                    extra: dict) -> tuple[float, float, float]:
     """Store everything the trial measured as user attrs and constraints; return its objective values."""
@@ -260,12 +295,7 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
     m = outcome.metrics
     if m is not None:
         attrs.update(_flat("", m))
-        # sample counts behind each spread, so the front can turn spreads into standard errors
-        from tuner.metrics import THROUGHPUT_WINDOWS
-
-        attrs["single_stream_tok_s_n"] = cfg.workload.single_stream_requests
-        attrs["ttft_ms_n"] = cfg.workload.throughput_requests
-        attrs["throughput_tok_s_n"] = THROUGHPUT_WINDOWS
+        attrs["levels"] = level_dicts(m)  # every level's figures: the config's load curve
         if m.load_test_failed:
             constraints["load_test"] = max(0.01, m.error_rate)
         constraints["slo"] = slo_violation(cfg, m)
@@ -295,12 +325,14 @@ class Tuner:
         self.cfg = cfg
         self.platform = platform or detect_platform(cfg)
         self.model, self.extra_args = resolve_model(cfg)
+        real = measure is None
         if measure is None:
             from tuner.launcher import check_engine_cmd
 
             check_engine_cmd(self.platform.engine)
             from tuner.measure import measure_config
             measure = measure_config
+        self.measure_is_real = real
         self.measure = measure
         self.progress = progress
         self.scale = memory_scale(cfg, self.platform)
@@ -339,9 +371,19 @@ class Tuner:
             self.observe(t)
         return study
 
-    def baselines(self) -> list[tuple[str, dict]]:
-        """vLLM's defaults and the hand-tuned config, snapped into the space, then the study's own."""
-        defaults = {"gpu_memory_utilization": 0.9, "max_model_len": None, "max_num_seqs": 256,
+    def vllm_defaults(self) -> tuple[dict, str]:
+        """What this vLLM uses on this device with the tuned flags absent, and where that came from."""
+        from tuner import vllm_defaults
+
+        fixed = tuple(a for a in self.extra_args)
+        read = None
+        if self.measure_is_real:
+            log("reading vLLM's own defaults for this model and device (no launch) ...")
+            read = vllm_defaults.read_defaults(self.platform.engine, self.model, fixed,
+                                               env=dict(self.cfg.env))
+        if read is not None:
+            return read, f"read from vLLM {read.get('vllm_version', '')} on this device"
+        defaults = {"gpu_memory_utilization": 0.92, "max_model_len": None, "max_num_seqs": 256,
                     "max_num_batched_tokens": 8192, "enforce_eager": False, "kv_cache_dtype": "auto"}
         if self.memory_model is not None:  # what this vLLM picks on this device, model and flags
             r = self.memory_model.resolve(space.ServerParams())
@@ -350,28 +392,40 @@ class Tuner:
         elif (Path(self.model) / "config.json").exists():
             config = json.loads((Path(self.model) / "config.json").read_text())
             defaults["max_model_len"] = config.get("max_position_embeddings")
-        builtin = [("vllm-defaults", defaults),
+        return defaults, "assumed: vLLM's defaults could not be read from the engine"
+
+    def baselines(self) -> list[tuple[str, dict, dict]]:
+        """vLLM's defaults and the hand-tuned config, snapped into the space, then the study's own:
+        (name, params, user attrs saying where the values came from and what was snapped)."""
+        defaults, source = self.vllm_defaults()
+        builtin = [("vllm-defaults", defaults, source),
                    ("hand-tuned", {"gpu_memory_utilization": 0.92, "max_model_len": 4096,
                                    "max_num_seqs": 8, "max_num_batched_tokens": 8192,
-                                   "enforce_eager": False, "kv_cache_dtype": "auto"})]
-        builtin += [(b.name, dict(b.values)) for b in self.cfg.baselines]
+                                   "enforce_eager": False, "kv_cache_dtype": "auto"},
+                    "the hand-tuned 0.92 / 4096 / 8 of a V100 story")]
+        builtin += [(b.name, dict(b.values), "the study file") for b in self.cfg.baselines]
         out, seen = [], set()
-        for name, values in builtin:
-            snapped = {}
+        for name, values, origin in builtin:
+            snapped, notes = {}, []
             for d in self.cfg.dimensions:
                 value = values.get(d.name)
                 if value is None:
                     continue
                 snapped[d.name] = d.snap(value)
-            key = tuple(sorted(snapped.items()))
+                if snapped[d.name] != value:
+                    notes.append(f"{d.name} {value} -> {snapped[d.name]}")
+            key = config_key(snapped, self.cfg.dimensions)
             if len(snapped) == len(self.cfg.dimensions) and key not in seen:
                 seen.add(key)
-                out.append((name, snapped))
+                attrs = {"baseline": name, "baseline_source": origin}
+                if notes:
+                    attrs["baseline_snapped"] = "; ".join(notes) + " (outside the space)"
+                out.append((name, snapped, attrs))
         return out
 
     def enqueue_baselines(self, study: optuna.Study) -> None:
-        for name, values in self.baselines():
-            study.enqueue_trial(values, user_attrs={"baseline": name}, skip_if_exists=True)
+        for name, values, attrs in self.baselines():
+            study.enqueue_trial(values, user_attrs=attrs, skip_if_exists=True)
 
     def recover_interrupted(self, study: optuna.Study) -> None:
         """Trials left RUNNING by a killed tuner on this host: stop their servers, fail, retry."""
@@ -417,12 +471,18 @@ class Tuner:
     # -- counting
 
     def launched_count(self, study: optuna.Study) -> int:
-        return sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                   if t.user_attrs.get("failure") not in SKIPPED_KINDS)
+        """Launches so far: finished trials that were not skipped, and trials that hit a tuner error
+        (they count, so a deterministic fault cannot relaunch servers forever)."""
+        return sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,
+                                                                        TrialState.FAIL))
+                   if (t.state == TrialState.COMPLETE and t.user_attrs.get("failure")
+                       not in SKIPPED_KINDS) or t.user_attrs.get("failure") == "tuner_error")
 
     def find_duplicate(self, study: optuna.Study, trial: optuna.Trial) -> FrozenTrial | None:
+        key = config_key(trial.params, self.cfg.dimensions)
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if t.params == trial.params and t.user_attrs.get("failure") != "duplicate":
+            if t.user_attrs.get("failure") not in ("duplicate", "gpu_busy") and \
+                    config_key(t.params, self.cfg.dimensions) == key:
                 return t
         return None
 
@@ -442,6 +502,18 @@ class Tuner:
             study.tell(trial, same.values)
             return "duplicate"
         launch_params = space.scaled(params, self.scale)
+        w = self.cfg.workload
+        if params.max_model_len is not None and params.max_model_len < w.prompt_tokens + w.output_tokens:
+            # every request of the workload would be refused for length: no launch, a constraint
+            trial.set_user_attr("failure", "predicted_infeasible")
+            trial.set_user_attr("failure_message", f"max_model_len {params.max_model_len} < the "
+                                f"workload's {w.prompt_tokens} + {w.output_tokens} tokens per request")
+            for key in CONSTRAINTS:
+                trial.set_constraint(key, 0.0)
+            trial.set_constraint("load_test", (w.prompt_tokens + w.output_tokens)
+                                 / params.max_model_len - 1)
+            study.tell(trial, penalty_values(self.cfg))
+            return "predicted_infeasible"
         failed = self.known_infeasible(study, params)
         if failed is not None:
             # no launch: a config with more memory and a shorter context already failed
@@ -485,8 +557,18 @@ class Tuner:
             trial.set_user_attr("server_pgid", server.pgid)
             trial.set_user_attr("server_port", server.port)
 
+        from tuner.gpu import GpuBusy
+
         try:
             self.check_gpu_free(launch_params)
+        except GpuBusy as e:
+            # not the config's fault and not worth wedging the study: skip it, say why, go on
+            trial.set_user_attr("failure", "gpu_busy")
+            trial.set_user_attr("failure_message", str(e)[:500])
+            study.tell(trial, state=TrialState.FAIL)
+            log(f"  trial {trial.number} skipped: {e}")
+            return "gpu_busy"
+        try:
             outcome = self.measure(spec, self.cfg.workload, on_started=on_started,
                                    progress=self.progress)
         except (TunerError, KeyboardInterrupt):
@@ -508,6 +590,7 @@ class Tuner:
         frozen = study.tell(trial, values)
         self.observe(frozen)
         log("  " + describe(frozen))
+        stop_if_every_request_failed(frozen, outcome)
         return outcome.failure_kind or "ok"
 
     def check_gpu_free(self, params: space.ServerParams) -> None:
@@ -516,8 +599,9 @@ class Tuner:
             return
         from tuner import gpu
 
-        share = params.gpu_memory_utilization or 0.9
-        gpu.check_gpu_free(int(share * self.platform.memory_total_bytes))
+        share = params.gpu_memory_utilization or 0.92
+        gpu.check_gpu_free(int(share * self.platform.memory_total_bytes),
+                           wait_s=self.cfg.gpu_busy_wait_s)
 
     def device_memory_bytes(self) -> int:
         """The device total now: on the CPU build it is the memory node's, which moves with the host."""
@@ -561,22 +645,71 @@ class Tuner:
         if done >= n_trials:
             log(f"study {self.cfg.name} already holds {done} launched trials (asked {n_trials})")
         started = time.monotonic()
-        asks_without_launch = 0
-        while self.launched_count(study) < n_trials:
-            kind = self.run_trial(study, n_trials, started)
-            if kind in SKIPPED_KINDS:
-                asks_without_launch += 1
-                if asks_without_launch >= MAX_ASKS_PER_TRIAL:
-                    log(f"stopping: the last {asks_without_launch} proposals were all measured "
-                        "already or predicted not to fit; widen the space or raise the budget")
+        asks_without_launch = errors_in_a_row = busy_in_a_row = 0
+        try:
+            while True:
+                self.replicate_baselines(study)
+                if self.launched_count(study) >= n_trials:
                     break
-            else:
-                asks_without_launch = 0
-            report.write_trials(study, self.cfg)
-        if self.cfg.confirm:
-            self.confirm(study)
-        report.write_all(study, self.cfg)
+                kind = self.run_trial(study, n_trials, started)
+                report.write_trials(study, self.cfg)
+                errors_in_a_row = errors_in_a_row + 1 if kind == "tuner_error" else 0
+                busy_in_a_row = busy_in_a_row + 1 if kind == "gpu_busy" else 0
+                if errors_in_a_row >= MAX_TUNER_ERRORS_IN_A_ROW:
+                    raise TunerError(f"stopping: {errors_in_a_row} trials in a row hit a tuner error "
+                                     f"(last: {last_failure_message(study)}); see trials.csv")
+                if busy_in_a_row >= MAX_BUSY_IN_A_ROW:
+                    raise TunerError(f"stopping: the GPU stayed busy for {busy_in_a_row} trials in a "
+                                     f"row (last: {last_failure_message(study)})")
+                if kind in SKIPPED_KINDS:
+                    asks_without_launch += 1
+                    if asks_without_launch >= MAX_ASKS_PER_TRIAL:
+                        log(f"stopping: the last {asks_without_launch} proposals were all measured "
+                            "already or predicted not to fit; widen the space or raise the budget")
+                        break
+                else:
+                    asks_without_launch = 0
+            if self.cfg.confirm:
+                self.confirm(study)
+        finally:
+            report.write_all(study, self.cfg)
         return study
+
+    def replicate_baselines(self, study: optuna.Study) -> None:
+        """Launch each measured baseline `replicates` more times: the launch-to-launch noise that
+        decides ties on the front. Done as soon as a baseline is measured, and again on resume."""
+        if not self.cfg.replicates:
+            return
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if t.user_attrs.get("baseline") and t.user_attrs.get("failure", "") == "" and \
+                    all(v <= 0 for v in t.constraints.values()):
+                self.relaunch(study, t.number, "replicate", self.cfg.replicates)
+
+    def relaunch(self, study: optuna.Study, number: int, kind: str, count: int) -> list[dict]:
+        """Launch trial `number`'s config again until it has `count` runs of `kind`, each stored in
+        the study (user attr runs:N) as soon as it is measured."""
+        key = f"runs:{number}"
+        runs = list(study.user_attrs.get(key, []))
+        t = study.trials[number]
+        params = space.scaled(space.suggest(t, self.cfg.dimensions), self.scale)
+        done = sum(1 for r in runs if r.get("kind") == kind)
+        while done < count:
+            log(f"[{kind} of trial {number}: run {done + 1}/{count}] " + " ".join(params.vllm_flags()))
+            folder = self.cfg.results_path / "trials" / str(number)
+            folder.mkdir(parents=True, exist_ok=True)
+            spec = launch_spec(self.cfg, self.platform, self.model, self.extra_args, params,
+                               folder / f"{kind}-{done + 1}.log")
+            outcome = self.measure(spec, self.cfg.workload, progress=self.progress)
+            run = run_dict(outcome, kind)
+            runs.append(run)
+            study.set_user_attr(key, runs)
+            done += 1
+            if run["failure"]:
+                log(f"  {kind} failed: {run['failure']} ({run.get('failure_message', '')[:120]})")
+            else:
+                log(f"  {kind}: single-stream {run['single_stream_tok_s']:.1f} tok/s, throughput "
+                    f"{run['throughput_tok_s']:.1f} tok/s, TTFT p50 {run['ttft_ms']:.0f} ms")
+        return runs
 
     def known_infeasible(self, study: optuna.Study, params: space.ServerParams) -> FrozenTrial | None:
         """An earlier launch that failed for KV memory with at least this much memory and at most
@@ -596,28 +729,41 @@ class Tuner:
         return None
 
     def confirm(self, study: optuna.Study) -> None:
-        """Re-measure each Pareto member `confirm` times so luck does not pick the front."""
+        """Relaunch each Pareto member until it has `confirm` more runs. The front is then formed
+        from the mean of all runs of each config, and a member whose relaunch failed leaves it, so
+        the front can change: repeat for new members (a few rounds at most)."""
         from tuner import report
 
-        df = report.trials_frame(study)
-        front = df[df["pareto"]]
-        for _, row in front.iterrows():
-            number = int(row["trial"])
-            key = f"confirm:{number}"
-            runs = list(study.user_attrs.get(key, []))
-            t = study.trials[number]
-            params = space.scaled(space.suggest(t, self.cfg.dimensions), self.scale)
-            while len(runs) < self.cfg.confirm:
-                log(f"[confirm trial {number} run {len(runs) + 1}/{self.cfg.confirm}] "
-                    + " ".join(params.vllm_flags()))
-                folder = self.cfg.results_path / "trials" / str(number)
-                spec = launch_spec(self.cfg, self.platform, self.model, self.extra_args, params,
-                                   folder / f"confirm-{len(runs) + 1}.log")
-                outcome = self.measure(spec, self.cfg.workload, progress=self.progress)
-                m = outcome.metrics
-                runs.append({k: (getattr(m, k) if m else None) for k in OBJECTIVES}
-                            | {"failure": outcome.failure_kind})
-                study.set_user_attr(key, runs)
+        confirmed: set[int] = set()
+        for _ in range(4):
+            df = report.trials_frame(study, self.cfg.tie_tolerance)
+            todo = [int(n) for n in df[df["pareto"]]["trial"] if int(n) not in confirmed]
+            if not todo:
+                return
+            for number in todo:
+                self.relaunch(study, number, "confirm", self.cfg.confirm)
+                confirmed.add(number)
+
+
+def last_failure_message(study: optuna.Study) -> str:
+    t = study.get_trials(deepcopy=False)[-1]
+    return t.user_attrs.get("failure_message", t.user_attrs.get("failure", ""))[:200]
+
+
+def stop_if_every_request_failed(t: FrozenTrial, outcome: TrialOutcome) -> None:
+    """A launch whose load test failed on (nearly) every request with one error says the workload
+    or the client is wrong, not the config: stop with that error rather than relaunch for nothing."""
+    m = outcome.metrics
+    if m is None or not m.requests_sent or m.requests_failed < ALL_FAILED_SHARE * m.requests_sent:
+        return
+    hint = "check [workload] (prompt/output tokens, endpoint) against the model and its tokenizer"
+    if "401" in m.top_error or "Unauthorized" in m.top_error:
+        hint = "the server wants an API key: export VLLM_API_KEY for the tuner"
+    elif "timeout" in m.top_error:
+        hint = "raise [workload] request_timeout_s or lower the load levels"
+    raise TunerError(f"stopping: trial {t.number}'s server started but {m.requests_failed} of "
+                     f"{m.requests_sent} requests failed ({m.top_error[:160]}); {hint}. "
+                     "The trial is kept; fix this and run the same command to go on")
 
 
 def outcome_dict(outcome: TrialOutcome) -> dict:

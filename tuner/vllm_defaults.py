@@ -1,0 +1,110 @@
+"""What the installed vLLM would use for the tuned flags when they are absent, read from vLLM itself.
+
+vLLM picks `max_num_seqs` and `max_num_batched_tokens` by device (an H200 gets 1024 sequences, a
+CPU build 128) and `gpu_memory_utilization` from its CacheConfig; hard-coding them goes stale with
+every release. So the engine's own Python builds vLLM's engine config from the study's fixed flags,
+without a launch, and prints what it resolved. The answer is cached per vLLM version, model and
+flags (importing vLLM takes 10-30 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PROBE = r"""
+import json, sys
+try:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:
+    from vllm.utils import FlexibleArgumentParser
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.usage.usage_lib import UsageContext
+import vllm
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
+cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config(
+    usage_context=UsageContext.OPENAI_API_SERVER)
+print("TUNER-DEFAULTS " + json.dumps({
+    "gpu_memory_utilization": cfg.cache_config.gpu_memory_utilization,
+    "max_model_len": cfg.model_config.max_model_len,
+    "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+    "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+    "kv_cache_dtype": cfg.cache_config.cache_dtype,
+    "enforce_eager": bool(cfg.model_config.enforce_eager),
+    "vllm_version": vllm.__version__}))
+"""
+
+
+def engine_python(engine: tuple[str, ...]) -> str | None:
+    """The interpreter that runs the engine: `python -m vllm...`, or the shebang of a `vllm` script."""
+    if len(engine) >= 3 and engine[1] == "-m" and engine[2].startswith("vllm"):
+        return engine[0]
+    if len(engine) >= 2 and engine[-1] == "serve" and Path(engine[0]).name == "vllm":
+        script = shutil.which(engine[0]) or engine[0]
+        try:
+            first = Path(script).read_text(errors="replace").splitlines()[0]
+        except (OSError, IndexError):
+            return None
+        if first.startswith("#!"):
+            interp = first[2:].strip().split()
+            if interp and Path(interp[0]).name == "env" and len(interp) > 1:
+                return shutil.which(interp[1])
+            return interp[0] if interp else None
+    return None
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tuner" / "vllm-defaults.json"
+
+
+def read_defaults(engine: tuple[str, ...], model: str, extra_args: tuple[str, ...],
+                  env: dict[str, str] | None = None, timeout_s: float = 180.0) -> dict | None:
+    """vLLM's resolved defaults for this model and fixed flags, or None when they cannot be read
+    (the engine is not vLLM, or the probe failed: the caller says so and falls back)."""
+    python = engine_python(engine)
+    if python is None:
+        return None
+    key = hashlib.sha256(json.dumps([python, os.path.realpath(model) if os.path.exists(model)
+                                     else model, list(extra_args),
+                                     os.environ.get("CUDA_VISIBLE_DEVICES", "")]).encode()).hexdigest()
+    cache = cache_path()
+    try:
+        cached = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key in cached:
+        return cached[key]
+    argv = [python, "-c", PROBE, "--model", model, *extra_args]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
+                           env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    line = next((x for x in p.stdout.splitlines() if x.startswith("TUNER-DEFAULTS ")), None)
+    if line is None:
+        return None
+    found = json.loads(line.split(" ", 1)[1])
+    cached[key] = found
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(cache)
+    except OSError:
+        pass
+    return found
+
+
+if __name__ == "__main__":  # python -m tuner.vllm_defaults MODEL [FLAGS...]
+    print(json.dumps(read_defaults((sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
+                                   sys.argv[1], tuple(sys.argv[2:])), indent=2))
