@@ -279,7 +279,8 @@ def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
     with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
         cfg = load_study(study_path, {"storage": f"sqlite:///{tmp}/replay.db",
                                       "results_dir": tmp, "sampler": sampler, "seed": seed})
-        cfg = replace(cfg, use_memory_model=memory_model)
+        # one recorded measurement per config: a replicate launch would replay the same figures
+        cfg = replace(cfg, use_memory_model=memory_model, replicates=0)
         tuner = ReplayTuner(cfg, table, device)
         with contextlib.redirect_stderr(io.StringIO()):
             try:

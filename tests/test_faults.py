@@ -16,6 +16,7 @@ from optuna.trial import TrialState
 import faultkit as fk
 from tuner import gpu
 from tuner.config import parse_study
+from tuner.errors import TunerError
 from tuner.gpu import GIB, GpuBusy
 from tuner.launcher import LaunchSpec
 from tuner.loadgen import Workload
@@ -93,11 +94,17 @@ def test_server_dying_at_start_is_a_classified_trial_and_the_study_goes_on(tmp_p
     ("http500", "http_error"), ("drop", "disconnected"), ("garbage", "bad_stream"),
     ("truncated", "truncated"),
 ])
-def test_misbehaving_server_is_a_failed_load_test_and_the_study_goes_on(tmp_path, model, mode,
-                                                                        error_kind):
-    study = run_study(config(tmp_path, fk.fake_engine_study(model, mode)), 2)
+def test_misbehaving_server_is_a_failed_load_test_and_the_study_stops(tmp_path, model, mode,
+                                                                     error_kind):
+    # every request failing the same way says the workload or the client is wrong, not the
+    # config: the study stops at once with that error, the trial kept, rather than relaunch
+    cfg = config(tmp_path, fk.fake_engine_study(model, mode))
+    with pytest.raises(TunerError, match=f"requests failed \\({error_kind}"):
+        run_study(cfg, 2)
+    study = load_existing(cfg)
     done = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    assert len(done) == 2
+    assert len(done) == 1
+    assert (cfg.results_path / "trials.csv").exists()
     for t in done:
         assert t.user_attrs["failure"] == "load_test_failed"
         assert t.constraints["load_test"] > 0
@@ -180,7 +187,8 @@ class FakeNvml:
             monkeypatch.setattr(pynvml, attr, value)
 
 
-def test_busy_gpu_is_named_before_anything_is_launched(tmp_path, model, monkeypatch):
+def test_busy_gpu_is_named_waited_for_and_skipped_without_wedging_resume(tmp_path, model,
+                                                                          monkeypatch):
     gpu.reset_nvml()
     holder = os.getppid()  # some other live process of ours, standing in for the GPU's holder
     FakeNvml(monkeypatch, holder)
@@ -190,22 +198,27 @@ def test_busy_gpu_is_named_before_anything_is_launched(tmp_path, model, monkeypa
         launches.append(spec)
         raise AssertionError("launched although the GPU is busy")
 
-    cfg = config(tmp_path, fk.fake_engine_study(model))
+    doc = fk.fake_engine_study(model)
+    doc["server"]["gpu_busy_wait_s"] = 0.2
+    cfg = config(tmp_path, doc)
     platform = Platform("cuda", "NVIDIA H100", 80 * GIB, 3350.0, ("true",), "0-fake")
     try:
-        with pytest.raises(GpuBusy) as err:
+        with pytest.raises(TunerError, match="the GPU stayed busy for 3 trials in a row") as err:
             Tuner(cfg, measure=measure, platform=platform, progress=False).run(1)
     finally:
         gpu.reset_nvml()
     assert launches == []
-    message = str(err.value)
-    assert "\n" not in message and "GPU 0 is busy" in message and f"pid {holder}" in message
-    # the refused trial is not a measurement: it is queued again for when the GPU is free
+    assert "\n" not in str(err.value) and f"pid {holder}" in str(err.value)
+    # each refused config is skipped with its reason, not queued again: a resumed run asks the
+    # sampler for something new instead of stopping on the same config forever
     study = load_existing(cfg)
-    (t,) = study.trials[:1]
-    assert t.state == TrialState.FAIL and t.user_attrs["failure"] == "interrupted"
-    assert any(w.state == TrialState.WAITING and w.system_attrs.get("fixed_params") == t.params
-               for w in study.trials[1:])
+    skipped = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert len(skipped) == 3
+    for t in skipped:
+        assert t.user_attrs["failure"] == "gpu_busy"
+        assert "GPU 0 is busy" in t.user_attrs["failure_message"]
+        assert not any(w.state == TrialState.WAITING and w.system_attrs.get("fixed_params") == t.params
+                       for w in study.trials)
 
 
 # ---------------------------------------------------------------- the tuner is killed (fake engine)

@@ -243,7 +243,7 @@ def plot_all(df: pd.DataFrame, folder: Path, title: str = "",
     matplotlib.use("Agg")
     paths = [plot_projections(df, folder / "pareto.png", title),
              plot_parameters(df, folder / "parameters.png", title)]
-    if levels is not None and len(levels):
+    if levels is not None and {"throughput_tok_s", "ttft_ms"} <= set(levels.columns):
         paths.append(plot_curves(df, levels, folder / "curves.png", title))
     return paths
 

@@ -377,7 +377,7 @@ class Tuner:
 
         fixed = tuple(a for a in self.extra_args)
         read = None
-        if self.measure_is_real:
+        if self.measure_is_real and vllm_defaults.engine_python(self.platform.engine):
             log("reading vLLM's own defaults for this model and device (no launch) ...")
             read = vllm_defaults.read_defaults(self.platform.engine, self.model, fixed,
                                                env=dict(self.cfg.env))
@@ -671,8 +671,10 @@ class Tuner:
                     asks_without_launch = 0
             if self.cfg.confirm:
                 self.confirm(study)
-        finally:
-            report.write_all(study, self.cfg)
+        except (TunerError, KeyboardInterrupt):
+            report.write_all(study, self.cfg)  # what was measured lands in results/ on the way out
+            raise
+        report.write_all(study, self.cfg)
         return study
 
     def replicate_baselines(self, study: optuna.Study) -> None:
