@@ -280,7 +280,7 @@ H200 = GpuInfo(0, "NVIDIA H200", 141 * GIB, 140 * GIB, 4800.0, compute_capabilit
     (V100, {}, (), "float16", "has no bfloat16"),                       # no dtype: float32 -> bf16
     (V100, {"dtype": "bfloat16"}, (), "float16", "has no bfloat16"),    # newer transformers' key
     (V100, {"text_config": {"torch_dtype": "bfloat16"}}, (), "float16", "has no bfloat16"),
-    (V100, {"torch_dtype": "float16"}, (), None, "auto: float16"),
+    (V100, {"torch_dtype": "float16"}, (), None, "float16 in config.json runs on Tesla V100"),
     (V100, {"torch_dtype": "bfloat16"}, ("--dtype", "half"), None, "--dtype half"),
     (V100, {"torch_dtype": "bfloat16"}, ("--dtype=float32",), None, "--dtype float32"),
     (V100, {"torch_dtype": "bfloat16", "model_type": "gemma2"}, (), "float32", "refuses float16"),

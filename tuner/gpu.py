@@ -571,14 +571,14 @@ def supported_dtype(device: GpuInfo | None, model_config: dict,
         return DtypeChoice(None, f"--dtype {given} from [server] extra_args")
     declared = model_dtype(model_config)
     if device is None:
-        return DtypeChoice(None, f"auto ({declared or 'no dtype'} in config.json; no GPU: vLLM's CPU build picks)")
+        return DtypeChoice(None, f"{declared or 'no dtype'} in config.json; no GPU: vLLM's CPU build picks")
     cc = device.compute_capability
     where = f"{device.name} (compute {cc[0]}.{cc[1]})" if cc else device.name
     if device.has_bfloat16 is None:
-        return DtypeChoice(None, f"auto ({declared or 'no dtype'} in config.json; NVML gave no "
-                                 f"compute capability for {device.name})")
+        return DtypeChoice(None, f"{declared or 'no dtype'} in config.json; NVML gave no "
+                                 f"compute capability for {device.name}")
     if device.has_bfloat16 or declared not in (None, "bfloat16"):
-        return DtypeChoice(None, f"auto: {declared or 'no dtype (float32)'} in config.json runs on {where}")
+        return DtypeChoice(None, f"{declared or 'no dtype (float32)'} in config.json runs on {where}")
     if model_config.get("model_type") in FLOAT16_UNSUPPORTED_MODEL_TYPES:
         return DtypeChoice("float32", f"{where} has no bfloat16 and vLLM refuses float16 for "
                                       f"{model_config.get('model_type')}")
