@@ -309,3 +309,40 @@ def test_compute_capability_from_nvml(monkeypatch):
     FakeNvml(monkeypatch, FakeGpu(name="Tesla V100-SXM2-16GB", capability=(7, 0)))
     (v100,) = gpu.gpus()
     assert v100.compute_capability == (7, 0) and v100.has_bfloat16 is False
+
+
+# --------------------------------------------------------------------------- doctor
+
+def test_doctor_shows_the_visible_gpus_their_strangers_and_the_dtype(monkeypatch):
+    from tuner.cli import doctor_gpu_lines
+    from tuner.config import parse_study
+    from tuner.presets import TINY_MODEL
+    from tuner.study import Platform
+
+    FakeNvml(monkeypatch,
+             FakeGpu(name="Tesla V100-SXM2-16GB", capability=(7, 0), total=16 * GIB, uuid="GPU-v100"),
+             FakeGpu(uuid="GPU-h100", processes=[(os.getpid(), 5 * GIB)]),
+             FakeGpu(uuid="GPU-h100b"))
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    platform = Platform("cuda", "x", 80 * GIB, 3350.0, ("true",), "0")
+
+    def doctor(visible: str) -> str:
+        cfg = parse_study({"model": {"path": "preset:tiny"},
+                           "server": {"env": {"CUDA_VISIBLE_DEVICES": visible}},
+                           "space": {"gpu_memory_utilization": {"low": 0.1, "high": 0.9},
+                                     "max_model_len": {"choices": [1024]},
+                                     "max_num_seqs": {"choices": [1]}}}, "s.toml", {})
+        return "\n".join(doctor_gpu_lines(cfg, platform, str(TINY_MODEL), ()))
+
+    text = doctor("1,0")
+    assert "CUDA_VISIBLE_DEVICES='1,0' (study env): visible GPU 1, GPU 0; hidden GPU 2" in text
+    assert "GPU 1      cuda:0 (vLLM's device) NVIDIA H100" in text
+    assert "strangers hold 5.0 GiB" in text and f"pid {os.getpid()} (5.0 GiB)" in text
+    assert "CUDA_DEVICE_ORDER" in text          # a V100 beside H100s: CUDA's order may differ
+    assert "dtype      auto: bfloat16 in config.json runs on NVIDIA H100" in text
+    text = doctor("GPU-v100")
+    assert "GPU 0      cuda:0 (vLLM's device) Tesla V100" in text and "compute 7.0" in text
+    assert "dtype      float16: Tesla V100-SXM2-16GB (compute 7.0) has no bfloat16" in text
+    text = doctor("")
+    assert "CUDA_VISIBLE_DEVICES hides every GPU" in text and "dtype      auto" in text
