@@ -302,7 +302,7 @@ def test_long_context_allowed_when_the_study_says_so(tmp_path, model):
     (lambda d: d["server"].update(extra_args=["--kv-cache-dtype", "fp9"]),
      ["server.extra_args --kv-cache-dtype", "'fp9'"]),
     (lambda d: d["server"].update(extra_args=["--max-num-batched-tokens=2"]),
-     ["space.max_num_batched_tokens", "max_num_seqs 4"]),
+     ["server.extra_args --max-num-batched-tokens", "max_num_seqs 4", "space.max_num_seqs"]),
 ])
 def test_run_refuses_values_vllm_or_the_model_rule_out(tmp_path, model, edit, words):
     doc = good_doc(tmp_path, model)

@@ -249,7 +249,7 @@ def check_flag_values(values: dict, source: str = "command line",
             _check_value(name, value, source, "--" + name.replace("_", "-"))
     merged = {**fixed_flag_values(extra_args, source),
               **{k: v for k, v in values.items() if v is not None}}
-    _check_batched_tokens({k: (v, v) for k, v in merged.items()
+    _check_batched_tokens({k: (v, v, "--" + k.replace("_", "-")) for k, v in merged.items()
                            if k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")},
                           chunked_prefill_enabled(extra_args), source)
 
@@ -265,8 +265,9 @@ def check_space(cfg: "StudyConfig") -> None:
     off) makes vLLM 0.32 refuse to start. One flag cannot be clipped against another without a
     conditional space, so a space where any combination breaks the rule is refused: change the one
     range the message names."""
-    bounds = {k: (v, v) for k, v in fixed_flag_values(cfg.extra_args, cfg.source).items()}
-    bounds.update({d.name: _bounds(d) for d in cfg.dimensions
+    bounds = {k: (v, v, "server.extra_args --" + k.replace("_", "-"))
+              for k, v in fixed_flag_values(cfg.extra_args, cfg.source).items()}
+    bounds.update({d.name: (*_bounds(d), f"space.{d.name}") for d in cfg.dimensions
                    if d.name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")})
     _check_batched_tokens(bounds, chunked_prefill_enabled(cfg.extra_args), cfg.source, space=True)
 
@@ -274,21 +275,21 @@ def check_space(cfg: "StudyConfig") -> None:
 def _check_batched_tokens(bounds: dict, chunked_prefill: bool, source: str, space: bool = False) -> None:
     if "max_num_batched_tokens" not in bounds:
         return
-    low = bounds["max_num_batched_tokens"][0]
+    low, _, where = bounds["max_num_batched_tokens"]
     rules = [("max_num_seqs", "vLLM requires max_num_batched_tokens >= max_num_seqs")]
     if not chunked_prefill:
         rules.append(("max_model_len", "with --no-enable-chunked-prefill vLLM requires "
                                        "max_num_batched_tokens >= max_model_len"))
     for other, rule in rules:
-        if other in bounds and low < bounds[other][1]:
-            if space:
-                raise _fail(source, "space.max_num_batched_tokens",
-                            f"its lowest value {low} is below the highest {other} {bounds[other][1]}: "
-                            f"{rule}", f"raise max_num_batched_tokens to >= {bounds[other][1]} "
-                            f"or lower {other}")
-            raise _fail(source, "--max-num-batched-tokens",
-                        f"max_num_batched_tokens {low} is below {other} {bounds[other][1]}: {rule}",
-                        f"give --max-num-batched-tokens >= {bounds[other][1]}")
+        if other not in bounds or low >= bounds[other][1]:
+            continue
+        high, other_where = bounds[other][1], bounds[other][2]
+        if space:
+            raise _fail(source, where, f"its lowest value {low} is below the highest {other} "
+                        f"{high} ({other_where}): {rule}",
+                        f"raise max_num_batched_tokens to >= {high} or lower {other}")
+        raise _fail(source, where, f"max_num_batched_tokens {low} is below {other} {high}: {rule}",
+                    f"give --max-num-batched-tokens >= {high}")
 
 
 # ---------------------------------------------------------------- what the model allows
