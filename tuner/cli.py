@@ -341,6 +341,11 @@ def cmd_doctor(args) -> int:
         lines.append(f"model      PROBLEM: {e}")
     lines += doctor_gpu_lines(cfg, platform, model, extra)
     try:
+        checked_config(args)
+        lines.append("values     space and fixed flags within vLLM's ranges and the model's limit")
+    except TunerError as e:
+        lines.append(f"values     PROBLEM: {e}")
+    try:
         open_storage(cfg.storage)
         lines.append(f"storage    {cfg.storage}: ok")
     except TunerError as e:
