@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 from tuner.config import parse_study
 from tuner.launcher import Capacity, LaunchFailure
@@ -87,3 +88,72 @@ class FakeDevice:
         return replace(base, metrics=metrics, load_s=2.0, capacity=Capacity(
             kv_cache_tokens=tokens, kv_cache_gib=tokens * 4096 / 2**30, weights_gib=0.01,
             max_concurrency=tokens / p.max_model_len))
+
+
+# ---------------------------------------------------------------- a fake NVML (pynvml patched)
+
+GIB = 2**30
+
+
+@dataclass
+class FakeGpu:
+    """One GPU as a fake NVML shows it; tests move `used` and `processes` while a sampler runs."""
+
+    name: str = "NVIDIA H100 80GB HBM3"
+    total: int = 80 * GIB
+    used: int = 1 * GIB
+    uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
+    capability: tuple[int, int] | None = (9, 0)
+    clock_mhz: int | None = 2619
+    bus_bits: int | None = 5120
+    processes: list = field(default_factory=list)     # [(pid, used_bytes)]
+    migs: list["FakeGpu"] = field(default_factory=list)   # MIG instances (MIG mode on when any)
+
+
+class FakeNvml:
+    """Patches pynvml so that NVML sees `devices` (in NVML index order)."""
+
+    def __init__(self, monkeypatch, *devices: FakeGpu):
+        import pynvml
+
+        self.devices = list(devices) or [FakeGpu()]
+        self.error = pynvml.NVMLError
+        for attr, value in {
+            "nvmlInit": lambda: None,
+            "nvmlDeviceGetCount": lambda: len(self.devices),
+            "nvmlDeviceGetHandleByIndex": self._by_index,
+            "nvmlDeviceGetName": lambda h: h.name,
+            "nvmlDeviceGetUUID": lambda h: h.uuid,
+            "nvmlDeviceGetCudaComputeCapability": self._capability,
+            "nvmlDeviceGetMemoryInfo": lambda h: SimpleNamespace(total=h.total, used=h.used,
+                                                                 free=h.total - h.used),
+            "nvmlDeviceGetMaxClockInfo": lambda h, kind: self._or_fail(h.clock_mhz),
+            "nvmlDeviceGetMemoryBusWidth": lambda h: self._or_fail(h.bus_bits),
+            "nvmlDeviceGetComputeRunningProcesses": lambda h: [
+                SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in h.processes],
+            "nvmlDeviceGetGraphicsRunningProcesses": lambda h: [],
+            "nvmlDeviceGetMigMode": lambda h: (1 if h.migs else 0, 1 if h.migs else 0),
+            "nvmlDeviceGetMaxMigDeviceCount": lambda h: 7 if h.migs else 0,
+            "nvmlDeviceGetMigDeviceHandleByIndex": self._mig,
+        }.items():
+            monkeypatch.setattr(pynvml, attr, value)
+
+    def _fail(self):
+        import pynvml
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def _or_fail(self, value):
+        return self._fail() if value is None else value
+
+    def _by_index(self, index):
+        if not 0 <= index < len(self.devices):
+            self._fail()
+        return self.devices[index]
+
+    def _capability(self, h):
+        return self._or_fail(h.capability)
+
+    def _mig(self, h, index):
+        if index >= len(h.migs):
+            self._fail()
+        return h.migs[index]

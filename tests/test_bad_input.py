@@ -208,3 +208,173 @@ def test_results_folder_of_another_study(tmp_path, model):
 def test_bad_command_line_values(tmp_path, model, args, words):
     p = run_cli(tmp_path, fk.to_toml(good_doc(tmp_path, model)), args)
     assert_refused(tmp_path, p, *words)
+
+
+# ---------------------------------------------------------------- values vLLM or the model rule out
+
+
+def run_measure(tmp_path, doc: dict, args: list[str]):
+    """`python -m tuner measure` from tmp_path, so its default results/ and studies/ land there."""
+    study = tmp_path / "study.toml"
+    study.write_text(fk.to_toml(doc))
+    argv = [sys.executable, "-m", "tuner", "measure", "--study", str(study), *args]
+    return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(fk.REPO)})
+
+
+def assert_measure_refused(tmp_path, p, *words):
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tuner: error: "), p.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert p.stdout == ""
+    assert not (tmp_path / "results").exists() and not (tmp_path / "studies").exists()
+    assert not (tmp_path / "LAUNCHED").exists()
+    return lines[0]
+
+
+GOOD = ["--gpu-memory-utilization", "0.2", "--max-model-len", "512", "--max-num-seqs", "2"]
+
+
+def flags(**changes) -> list[str]:
+    out = list(GOOD)
+    for key, value in changes.items():
+        flag = "--" + key.replace("_", "-")
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
+
+
+def test_a_good_measure_launches(tmp_path, model):
+    p = run_measure(tmp_path, good_doc(tmp_path, model), GOOD)
+    assert (tmp_path / "LAUNCHED").exists(), p.stderr
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"gpu_memory_utilization": "1.7"}, ["--gpu-memory-utilization", "1.7", "(0, 1]"]),
+    ({"gpu_memory_utilization": "0"}, ["--gpu-memory-utilization", "(0, 1]"]),
+    ({"gpu_memory_utilization": "-0.5"}, ["-0.5", "(0, 1]"]),
+    ({"gpu_memory_utilization": "nan"}, ["nan", "(0, 1]"]),
+    ({"gpu_memory_utilization": "lots"}, ["--gpu-memory-utilization", "lots"]),
+    ({"max_model_len": "1000000"}, ["--max-model-len", "1000000", "1..32768",
+                                    "max_position_embeddings"]),
+    ({"max_model_len": "4k"}, ["--max-model-len", "4k", "whole number"]),
+    ({"max_num_seqs": "0"}, ["--max-num-seqs", "at least 1"]),
+    ({"kv_cache_dtype": "fp9"}, ["--kv-cache-dtype", "'fp9'", "fp8_e5m2"]),
+    ({"max_num_batched_tokens": "1"}, ["--max-num-batched-tokens", "max_num_batched_tokens 1",
+                                       "max_num_seqs 2"]),
+])
+def test_measure_refuses_bad_values_before_launch(tmp_path, model, changes, words):
+    p = run_measure(tmp_path, good_doc(tmp_path, model), flags(**changes))
+    assert_measure_refused(tmp_path, p, *words)
+
+
+def test_batched_tokens_below_the_context_only_without_chunked_prefill(tmp_path, model):
+    doc = good_doc(tmp_path, model)
+    doc["server"]["extra_args"] = ["--no-enable-chunked-prefill"]
+    p = run_measure(tmp_path, doc, flags(max_num_batched_tokens="256"))
+    assert_measure_refused(tmp_path, p, "max_num_batched_tokens 256", "max_model_len 512",
+                           "chunked")
+    # chunked prefill is vLLM 0.32's default: then it is allowed
+    p = run_measure(tmp_path, good_doc(tmp_path, model), flags(max_num_batched_tokens="256"))
+    assert (tmp_path / "LAUNCHED").exists(), p.stderr
+
+
+def test_long_context_allowed_when_the_study_says_so(tmp_path, model):
+    doc = good_doc(tmp_path, model)
+    doc["server"]["env"]["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    p = run_measure(tmp_path, doc, flags(max_model_len="1000000"))
+    assert (tmp_path / "LAUNCHED").exists(), p.stderr
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda d: d["space"].update(max_model_len={"choices": [65536, 131072]}),
+     ["space.max_model_len", "65536", "1..32768", "max_position_embeddings"]),
+    (lambda d: d["space"].update(max_model_len={"low": 40000, "high": 80000}),
+     ["space.max_model_len", "1..32768"]),
+    (lambda d: d["space"].update(kv_cache_dtype={"choices": ["auto", "fp9"]}),
+     ["space.kv_cache_dtype.choices", "'fp9'"]),
+    (lambda d: d["space"].update(max_num_batched_tokens={"choices": [2, 4096]}),
+     ["space.max_num_batched_tokens", "lowest value 2", "max_num_seqs 4"]),
+    (lambda d: d["server"].update(extra_args=["--kv-cache-dtype", "fp9"]),
+     ["server.extra_args --kv-cache-dtype", "'fp9'"]),
+    (lambda d: d["server"].update(extra_args=["--max-num-batched-tokens=2"]),
+     ["server.extra_args --max-num-batched-tokens", "max_num_seqs 4", "space.max_num_seqs"]),
+])
+def test_run_refuses_values_vllm_or_the_model_rule_out(tmp_path, model, edit, words):
+    doc = good_doc(tmp_path, model)
+    edit(doc)
+    assert_refused(tmp_path, run_cli(tmp_path, fk.to_toml(doc)), *words)
+
+
+def test_run_refuses_a_baseline_out_of_range(tmp_path, model):
+    text = fk.to_toml(good_doc(tmp_path, model)) + (
+        "\n[[baselines]]\nname = \"mine\"\ngpu_memory_utilization = 1.5\n")
+    assert_refused(tmp_path, run_cli(tmp_path, text), "baselines[0].gpu_memory_utilization",
+                   "1.5", "(0, 1]")
+
+
+def test_run_clips_a_space_partly_over_the_models_limit(tmp_path, model):
+    doc = good_doc(tmp_path, model)
+    doc["space"]["max_model_len"] = {"choices": [1024, 65536]}
+    p = run_cli(tmp_path, fk.to_toml(doc))
+    assert (tmp_path / "LAUNCHED").exists(), p.stderr
+    warnings = [line for line in p.stderr.splitlines() if line.startswith("tuner: warning:")]
+    assert len(warnings) == 1, p.stderr
+    assert "65536" in warnings[0] and "32768" in warnings[0] and "choices 1024" in warnings[0]
+
+
+# ---------------------------------------------------------------- the checks themselves (in process)
+
+
+def test_model_max_len_mirrors_vllm():
+    from tuner.config import model_max_len
+
+    assert model_max_len({"max_position_embeddings": 32768})[0] == 32768
+    assert model_max_len({"n_positions": 1024, "max_position_embeddings": 2048})[0] == 1024
+    assert model_max_len({"max_position_embeddings": 4096},
+                         {"model_max_length": 2048})[0] == 2048
+    assert model_max_len({"max_position_embeddings": 4096},
+                         {"model_max_length": 1e30})[0] == 4096
+    linear = {"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    assert model_max_len(linear) == (16384, "max_position_embeddings 4096 in config.json x RoPE factor 4")
+    for kind in ("llama3", "yarn", "longrope"):    # already scaled
+        cfg = {"max_position_embeddings": 131072, "rope_scaling": {"rope_type": kind, "factor": 8.0}}
+        assert model_max_len(cfg)[0] == 131072
+    nested = {"max_position_embeddings": 8192, "rope_parameters": {
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0},
+        "sliding_attention": {"rope_type": "default"}}}
+    assert model_max_len(nested)[0] == 16384
+    gemma3 = {"model_type": "gemma3", "max_position_embeddings": 131072,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert model_max_len(gemma3)[0] == 131072
+    assert model_max_len({"text_config": {"max_position_embeddings": 8192}})[0] == 8192
+    assert model_max_len({"max_position_embeddings": 2048, "model_max_length": 8192})[0] == 8192
+    assert model_max_len({"hidden_size": 8})[0] is None
+
+
+def test_the_installed_vllm_agrees_on_kv_cache_dtypes():
+    typing = pytest.importorskip("typing")
+    cache = pytest.importorskip("vllm.config.cache")
+    from tuner.config import KV_CACHE_DTYPES
+
+    assert set(typing.get_args(cache.CacheDType)) == set(KV_CACHE_DTYPES)
+
+
+def test_fit_space_to_model_clips_ranges_on_their_step():
+    from tuner.config import fit_space_to_model, parse_study
+
+    doc = {"model": {"path": "x"}, "space": {
+        "gpu_memory_utilization": {"low": 0.1, "high": 0.9},
+        "max_model_len": {"low": 1000, "high": 100000, "step": 1000},
+        "max_num_seqs": {"choices": [1, 2]}}}
+    cfg = parse_study(doc, "s.toml", {})
+    said = []
+    fitted = fit_space_to_model(cfg, {"max_position_embeddings": 32768}, warn=said.append)
+    dim = fitted.dimension("max_model_len")
+    assert (dim.low, dim.high) == (1000, 32000) and len(said) == 1
+    assert fit_space_to_model(fitted, {"max_position_embeddings": 32768}, warn=said.append) == fitted
+    assert len(said) == 1

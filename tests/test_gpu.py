@@ -13,38 +13,14 @@ from tuner import gpu
 from tuner.errors import TunerError
 from tuner.gpu import GIB, GpuBusy, GpuInfo, GpuProcess, PeakMemorySampler
 
+from fakes import FakeGpu, FakeNvml
+
 
 @pytest.fixture(autouse=True)
 def fresh_nvml():
     gpu.reset_nvml()
     yield
     gpu.reset_nvml()
-
-
-class FakeNvml:
-    """One fake H100 SXM whose used memory the test can move."""
-
-    def __init__(self, monkeypatch, name="NVIDIA H100 80GB HBM3", clock_mhz=2619, bus_bits=5120,
-                 total=80 * GIB, used=1 * GIB, processes=()):
-        self.name, self.total, self.used, self.processes = name, total, used, list(processes)
-        for attr, value in {
-            "nvmlInit": lambda: None,
-            "nvmlDeviceGetCount": lambda: 1,
-            "nvmlDeviceGetHandleByIndex": self.handle,
-            "nvmlDeviceGetName": lambda h: self.name,
-            "nvmlDeviceGetMemoryInfo": lambda h: SimpleNamespace(total=self.total, used=self.used,
-                                                                 free=self.total - self.used),
-            "nvmlDeviceGetMaxClockInfo": lambda h, kind: clock_mhz,
-            "nvmlDeviceGetMemoryBusWidth": lambda h: bus_bits,
-            "nvmlDeviceGetComputeRunningProcesses": lambda h: self.processes,
-            "nvmlDeviceGetGraphicsRunningProcesses": lambda h: [],
-        }.items():
-            monkeypatch.setattr(pynvml, attr, value)
-
-    def handle(self, index):
-        if index != 0:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return "handle0"
 
 
 # --------------------------------------------------------------------------- bandwidth
@@ -105,22 +81,22 @@ def test_missing_pynvml_is_no_gpu(monkeypatch):
 # --------------------------------------------------------------------------- fake NVML
 
 def test_gpus_from_nvml(monkeypatch):
-    FakeNvml(monkeypatch)
+    FakeNvml(monkeypatch, FakeGpu(uuid="GPU-aaaa"))
     (info,) = gpu.gpus()
     assert info == GpuInfo(index=0, name="NVIDIA H100 80GB HBM3", memory_total_bytes=80 * GIB,
-                           memory_free_bytes=79 * GIB, memory_bandwidth_gbps=3352.3)
+                           memory_free_bytes=79 * GIB, memory_bandwidth_gbps=3352.3,
+                           uuid="GPU-aaaa", compute_capability=(9, 0), cuda_index=0)
+    assert info.has_bfloat16 and info.label == "GPU 0"
 
 
 def test_nvml_names_as_bytes(monkeypatch):
-    fake = FakeNvml(monkeypatch)
-    fake.name = b"Tesla T4"
+    FakeNvml(monkeypatch, FakeGpu(name=b"Tesla T4"))
     assert gpu.gpus()[0].name == "Tesla T4"
 
 
 def test_gpu_processes_with_cmdline(monkeypatch):
     me = os.getpid()
-    FakeNvml(monkeypatch, processes=[SimpleNamespace(pid=me, usedGpuMemory=3 * GIB),
-                                     SimpleNamespace(pid=999999999, usedGpuMemory=None)])
+    FakeNvml(monkeypatch, FakeGpu(processes=[(me, 3 * GIB), (999999999, None)]))
     mine, stranger = gpu.gpu_processes(0)
     assert mine.pid == me and mine.used_bytes == 3 * GIB and "python" in mine.cmdline
     assert stranger == GpuProcess(pid=999999999, used_bytes=0, cmdline="")
@@ -128,7 +104,7 @@ def test_gpu_processes_with_cmdline(monkeypatch):
 
 
 def test_busy_gpu_refuses_with_a_clear_message(monkeypatch):
-    FakeNvml(monkeypatch, used=70 * GIB, processes=[SimpleNamespace(pid=os.getpid(), usedGpuMemory=70 * GIB)])
+    FakeNvml(monkeypatch, FakeGpu(used=70 * GIB, processes=[(os.getpid(), 70 * GIB)]))
     needed = gpu.required_bytes(gpu.gpus()[0], 0.9)
     with pytest.raises(TunerError) as err:
         gpu.check_gpu_free(needed)
@@ -144,11 +120,11 @@ def test_busy_gpu_refuses_with_a_clear_message(monkeypatch):
 
 
 def test_busy_gpu_waits_for_memory(monkeypatch):
-    fake = FakeNvml(monkeypatch, used=70 * GIB)
+    fake = FakeNvml(monkeypatch, FakeGpu(used=70 * GIB))
 
     def release():
         time.sleep(0.3)
-        fake.used = 1 * GIB
+        fake.devices[0].used = 1 * GIB
 
     import threading
     threading.Thread(target=release).start()
@@ -158,13 +134,215 @@ def test_busy_gpu_waits_for_memory(monkeypatch):
 
 
 def test_peak_memory_sampler(monkeypatch):
-    fake = FakeNvml(monkeypatch, used=2 * GIB)
+    fake = FakeNvml(monkeypatch, FakeGpu(used=2 * GIB))
     with PeakMemorySampler(interval_s=0.01) as sampler:
         time.sleep(0.1)
-        fake.used = 50 * GIB
+        fake.devices[0].used = 50 * GIB
         time.sleep(0.1)
-        fake.used = 10 * GIB
+        fake.devices[0].used = 10 * GIB
         time.sleep(0.1)
     assert sampler.peak_bytes == {0: 50 * GIB}
     assert sampler.peak_gib == 50.0
     assert sampler.samples > 3
+
+
+# --------------------------------------------------------------------------- CUDA_VISIBLE_DEVICES
+
+def four_gpus(monkeypatch, **first) -> FakeNvml:
+    """NVML index i is an H100 with uuid GPU-<i>..., i GiB used; the first one as `first` says."""
+    devices = [FakeGpu(uuid=f"GPU-{i}{i}{i}{i}-beef", used=(i + 1) * GIB) for i in range(4)]
+    for key, value in first.items():
+        setattr(devices[0], key, value)
+    return FakeNvml(monkeypatch, *devices)
+
+
+@pytest.mark.parametrize("setting,expected", [
+    (None, [0, 1, 2, 3]),                 # unset: all, NVML order
+    ("2", [2]),
+    ("3,1", [3, 1]),                      # CUDA order is the list's order: [0] is vLLM's GPU
+    (" 1 , 0 ", [1, 0]),                  # CUDA ignores whitespace
+    ("1,7,2", [1]),                       # the first invalid entry hides itself and the rest
+    ("-1", []),
+    ("", []),                             # empty: no GPU
+    ("GPU-2222-beef", [2]),
+    ("GPU-3333,0", [3, 0]),               # a unique prefix is enough
+    ("GPU-9999", []),
+    ("GPU-", []),                         # a prefix of every uuid is ambiguous
+    ("nvidia0", []),
+])
+def test_visible_devices_follow_cuda(monkeypatch, setting, expected):
+    four_gpus(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if setting is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", setting)
+    seen = gpu.gpus()
+    assert [g.index for g in seen] == expected
+    assert [g.cuda_index for g in seen] == list(range(len(expected)))
+    v = gpu.visibility()
+    assert sorted(g.index for g in v.devices + v.hidden) == ([0, 1, 2, 3] if setting is not None
+                                                             else [0, 1, 2, 3])
+    if setting in ("1,7,2", "GPU-9999", "GPU-", "nvidia0"):
+        assert "CUDA ignores it" in v.note
+
+
+def test_the_study_env_wins_over_the_tuners(monkeypatch):
+    four_gpus(monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert [g.index for g in gpu.gpus()] == [0]
+    study_env = (("CUDA_VISIBLE_DEVICES", "2,3"),)
+    assert [g.index for g in gpu.gpus(study_env)] == [2, 3]
+    assert gpu.visibility(study_env).source == "study env"
+    assert gpu.visibility().source == "environment"
+
+
+def test_mig_instance(monkeypatch):
+    migs = [FakeGpu(name="NVIDIA A100-SXM4-40GB", uuid="MIG-aaaa-0001", total=10 * GIB, used=0),
+            FakeGpu(name="NVIDIA A100-SXM4-40GB", uuid="MIG-aaaa-0002", total=20 * GIB, used=0)]
+    FakeNvml(monkeypatch, FakeGpu(name="NVIDIA A100-SXM4-40GB", uuid="GPU-a100", capability=(8, 0),
+                                  migs=migs), FakeGpu(uuid="GPU-h100"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-aaaa-0002")
+    (mig,) = gpu.gpus()
+    assert (mig.index, mig.mig_index, mig.memory_total_bytes) == (0, 1, 20 * GIB)
+    assert mig.label == "GPU 0 MIG 1" and mig.compute_capability == (8, 0)
+    assert gpu.memory_used_bytes(mig) == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-GPU-a100/1/0")
+    assert gpu.gpus() == [] and "old MIG-GPU" in gpu.visibility().note
+
+
+def test_order_note_on_a_mixed_host(monkeypatch):
+    four_gpus(monkeypatch, name="Tesla V100-SXM2-16GB")
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert "CUDA_DEVICE_ORDER" in gpu.visibility().note
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert gpu.visibility().note == ""
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")       # identical cards: the orders agree
+    assert gpu.visibility().note == ""
+
+
+def test_free_check_looks_at_the_visible_gpu(monkeypatch):
+    fake = four_gpus(monkeypatch)
+    fake.devices[0].used = 79 * GIB            # GPU 0 is full, GPU 2 is not
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(GpuBusy, match="GPU 0 is busy"):
+        gpu.check_gpu_free(40 * GIB)
+    gpu.check_gpu_free(40 * GIB, env=(("CUDA_VISIBLE_DEVICES", "2"),))
+    fake.devices[2].used = 79 * GIB
+    with pytest.raises(GpuBusy, match="GPU 2 is busy"):
+        gpu.check_gpu_free(40 * GIB, env=(("CUDA_VISIBLE_DEVICES", "2,0"),))
+    gpu.check_gpu_free(40 * GIB, env=(("CUDA_VISIBLE_DEVICES", ""),))   # no GPU: nothing to check
+
+
+def test_sampler_reads_only_visible_gpus_and_names_strangers(monkeypatch):
+    import subprocess
+    import sys
+
+    fake = four_gpus(monkeypatch)
+    # a stand-in for the server's process group, and another for a stranger's
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                              start_new_session=True)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                                start_new_session=True)
+    try:
+        fake.devices[3].used = 70 * GIB          # invisible: must not count
+        fake.devices[1].processes = [(server.pid, 6 * GIB), (stranger.pid, 2 * GIB),
+                                     (999999999, 1 * GIB)]
+        fake.devices[1].used = 10 * GIB
+        with PeakMemorySampler(interval_s=0.01, env=(("CUDA_VISIBLE_DEVICES", "1"),),
+                               server_pgid=server.pid) as sampler:
+            time.sleep(0.1)
+            fake.devices[1].processes[0] = (server.pid, 12 * GIB)
+            fake.devices[1].used = 16 * GIB
+            time.sleep(0.1)
+            fake.devices[1].processes[0] = (server.pid, 4 * GIB)
+            time.sleep(0.05)
+    finally:
+        for p in (server, stranger):
+            p.kill()
+            p.wait()
+    assert sampler.peak_bytes == {1: 16 * GIB}
+    assert sampler.server_peak_bytes == {1: 12 * GIB}
+    # the stranger and the process /proc cannot place (another PID namespace)
+    assert sampler.stranger_peak_bytes == {1: 3 * GIB}
+    assert set(sampler.strangers) == {stranger.pid, 999999999}
+    assert "sleep" in sampler.strangers[stranger.pid].cmdline
+
+
+# --------------------------------------------------------------------------- dtype by device
+
+V100 = GpuInfo(0, "Tesla V100-SXM2-16GB", 16 * GIB, 15 * GIB, 900.0, compute_capability=(7, 0))
+H200 = GpuInfo(0, "NVIDIA H200", 141 * GIB, 140 * GIB, 4800.0, compute_capability=(9, 0))
+
+
+@pytest.mark.parametrize("device,config,extra,dtype,words", [
+    (V100, {"torch_dtype": "bfloat16"}, (), "float16", "Tesla V100-SXM2-16GB (compute 7.0) has no bfloat16"),
+    (V100, {}, (), "float16", "has no bfloat16"),                       # no dtype: float32 -> bf16
+    (V100, {"dtype": "bfloat16"}, (), "float16", "has no bfloat16"),    # newer transformers' key
+    (V100, {"text_config": {"torch_dtype": "bfloat16"}}, (), "float16", "has no bfloat16"),
+    (V100, {"torch_dtype": "float16"}, (), None, "float16 in config.json runs on Tesla V100"),
+    (V100, {"torch_dtype": "bfloat16"}, ("--dtype", "half"), None, "--dtype half"),
+    (V100, {"torch_dtype": "bfloat16"}, ("--dtype=float32",), None, "--dtype float32"),
+    (V100, {"torch_dtype": "bfloat16", "model_type": "gemma2"}, (), "float32", "refuses float16"),
+    (H200, {"torch_dtype": "bfloat16"}, (), None, "runs on NVIDIA H200 (compute 9.0)"),
+    (GpuInfo(0, "odd", GIB, GIB, None), {"torch_dtype": "bfloat16"}, (), None, "no compute capability"),
+    (None, {"torch_dtype": "bfloat16"}, (), None, "CPU build"),
+])
+def test_supported_dtype(device, config, extra, dtype, words):
+    choice = gpu.supported_dtype(device, config, extra)
+    assert choice.dtype == dtype and words in choice.reason
+    assert choice.flags == (["--dtype", dtype] if dtype else [])
+
+
+def test_dtype_flags_of_the_presets(tmp_path):
+    from tuner import presets
+
+    for name in ("tiny", "llama-3.1-8b"):
+        folder, _ = presets.resolve_model(f"preset:{name}")
+        assert gpu.dtype_flags(folder, V100) == ["--dtype", "float16"]
+        assert gpu.dtype_flags(folder, H200) == []
+        assert gpu.dtype_flags(folder, V100, ["--dtype", "bfloat16"]) == []
+    assert gpu.dtype_flags(tmp_path / "no-such-model", V100) == []
+
+
+def test_compute_capability_from_nvml(monkeypatch):
+    FakeNvml(monkeypatch, FakeGpu(name="Tesla V100-SXM2-16GB", capability=(7, 0)))
+    (v100,) = gpu.gpus()
+    assert v100.compute_capability == (7, 0) and v100.has_bfloat16 is False
+
+
+# --------------------------------------------------------------------------- doctor
+
+def test_doctor_shows_the_visible_gpus_their_strangers_and_the_dtype(monkeypatch):
+    from tuner.cli import doctor_gpu_lines
+    from tuner.config import parse_study
+    from tuner.presets import TINY_MODEL
+    from tuner.study import Platform
+
+    FakeNvml(monkeypatch,
+             FakeGpu(name="Tesla V100-SXM2-16GB", capability=(7, 0), total=16 * GIB, uuid="GPU-v100"),
+             FakeGpu(uuid="GPU-h100", processes=[(os.getpid(), 5 * GIB)]),
+             FakeGpu(uuid="GPU-h100b"))
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    platform = Platform("cuda", "x", 80 * GIB, 3350.0, ("true",), "0")
+
+    def doctor(visible: str) -> str:
+        cfg = parse_study({"model": {"path": "preset:tiny"},
+                           "server": {"env": {"CUDA_VISIBLE_DEVICES": visible}},
+                           "space": {"gpu_memory_utilization": {"low": 0.1, "high": 0.9},
+                                     "max_model_len": {"choices": [1024]},
+                                     "max_num_seqs": {"choices": [1]}}}, "s.toml", {})
+        return "\n".join(doctor_gpu_lines(cfg, platform, str(TINY_MODEL), ()))
+
+    text = doctor("1,0")
+    assert "CUDA_VISIBLE_DEVICES='1,0' (study env): visible GPU 1, GPU 0; hidden GPU 2" in text
+    assert "GPU 1      cuda:0 (vLLM's device) NVIDIA H100" in text
+    assert "strangers hold 5.0 GiB" in text and f"pid {os.getpid()} (5.0 GiB)" in text
+    assert "CUDA_DEVICE_ORDER" in text          # a V100 beside H100s: CUDA's order may differ
+    assert "dtype      auto: bfloat16 in config.json runs on NVIDIA H100" in text
+    text = doctor("GPU-v100")
+    assert "GPU 0      cuda:0 (vLLM's device) Tesla V100" in text and "compute 7.0" in text
+    assert "dtype      float16: Tesla V100-SXM2-16GB (compute 7.0) has no bfloat16" in text
+    text = doctor("")
+    assert "CUDA_VISIBLE_DEVICES hides every GPU" in text and "dtype      auto" in text

@@ -78,6 +78,27 @@ def load_config(args: argparse.Namespace):
     return load_study(resolve_study_file(args.study), overrides(args))
 
 
+def checked_config(args: argparse.Namespace, values: dict | None = None):
+    """The study, its values checked against vLLM's ranges and the model's config.json before any
+    launch: `values` (one config, for `measure`) must fit; a searched max_model_len range partly
+    over the model's limit is clipped with one warning line."""
+    from tuner import config, presets
+
+    cfg = load_config(args)
+    if values is not None:
+        config.check_flag_values(values, "command line", cfg.extra_args)
+    else:
+        config.check_space(cfg)
+    found = config.read_model_configs(presets.resolve_model(cfg.model)[0])
+    if found is None:
+        return cfg
+    if values is None:
+        return config.fit_space_to_model(cfg, *found, warn=lambda line: print(line, file=sys.stderr))
+    if values.get("max_model_len") and not config.long_max_model_len_allowed(cfg.env):
+        config.check_max_model_len(values["max_model_len"], *found)
+    return cfg
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -193,7 +214,7 @@ def _raise_interrupt(signum, frame):
 def cmd_run(args) -> int:
     from tuner.study import Tuner
 
-    cfg = load_config(args)
+    cfg = checked_config(args)
     tuner = Tuner(cfg, progress=not args.quiet)
     study = tuner.run(args.trials)
     print_summary(study, cfg)
@@ -273,29 +294,40 @@ def cmd_export(args) -> int:
 def cmd_measure(args) -> int:
     import time
 
+    from tuner import gpu
     from tuner.launcher import check_engine_cmd
     from tuner.measure import measure_config
     from tuner.space import ServerParams, scaled
     from tuner.study import (detect_platform, launch_spec, memory_scale, outcome_dict,
                              resolve_model)
 
-    cfg = load_config(args)
+    values = {"gpu_memory_utilization": args.gpu_memory_utilization,
+              "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens,
+              "kv_cache_dtype": args.kv_cache_dtype}
+    cfg = checked_config(args, values)
     platform = detect_platform(cfg)
     check_engine_cmd(platform.engine)
     model, extra = resolve_model(cfg)
     params = scaled(ServerParams(args.gpu_memory_utilization, args.max_model_len, args.max_num_seqs,
                                  args.max_num_batched_tokens, args.enforce_eager or None,
                                  args.kv_cache_dtype), memory_scale(cfg, platform))
+    if platform.kind == "cuda":
+        gpu.check_gpu_free(int(params.gpu_memory_utilization * platform.memory_total_bytes),
+                           env=cfg.env)
     folder = cfg.results_path / "measure" / time.strftime("%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)
     spec = launch_spec(cfg, platform, model, extra, params, folder / "server.log")
     outcome = measure_config(spec, cfg.workload)
-    print(json.dumps(outcome_dict(outcome), indent=2, default=str))
+    out = outcome_dict(outcome)
+    for key in ("peak_gpu_memory_bytes", "peak_gpu_server_bytes", "peak_gpu_stranger_bytes"):
+        if getattr(outcome, key, None) is not None:
+            out[key.replace("_bytes", "_gib")] = round(getattr(outcome, key) / 2**30, 3)
+    print(json.dumps(out, indent=2, default=str))
     return 0
 
 
 def cmd_doctor(args) -> int:
-    from tuner import gpu
     from tuner.launcher import check_engine_cmd
     from tuner.study import check_results_dir, detect_platform, open_storage, resolve_model
 
@@ -308,23 +340,18 @@ def cmd_doctor(args) -> int:
     except TunerError as e:
         lines.append(f"engine     PROBLEM: {e}")
     lines.append(f"vLLM       {platform.vllm_version or 'unknown (not installed in this Python)'}")
+    model, extra = None, cfg.extra_args
     try:
         model, extra = resolve_model(cfg)
         lines.append(f"model      {model} {' '.join(extra)}")
     except TunerError as e:
         lines.append(f"model      PROBLEM: {e}")
-    devices = gpu.gpus()
-    if devices:
-        for d in devices:
-            bw = f", ~{d.memory_bandwidth_gbps:.0f} GB/s" if d.memory_bandwidth_gbps else ""
-            lines.append(f"GPU {d.index}      {d.name}: {d.memory_total_bytes / 2**30:.1f} GiB total, "
-                         f"{d.memory_free_bytes / 2**30:.1f} GiB free{bw}")
-            for p in gpu.gpu_processes(d.index):
-                lines.append(f"           held by pid {p.pid} ({p.used_bytes / 2**30:.1f} GiB): "
-                             f"{p.cmdline[:80]}")
-    else:
-        lines.append(f"GPU        none seen by NVML: trials use vLLM's CPU build "
-                     f"({platform.memory_total_bytes / 2**30:.1f} GiB for the KV cache and model)")
+    lines += doctor_gpu_lines(cfg, platform, model, extra)
+    try:
+        checked_config(args)
+        lines.append("values     space and fixed flags within vLLM's ranges and the model's limit")
+    except TunerError as e:
+        lines.append(f"values     PROBLEM: {e}")
     try:
         open_storage(cfg.storage)
         lines.append(f"storage    {cfg.storage}: ok")
@@ -337,3 +364,43 @@ def cmd_doctor(args) -> int:
         lines.append(f"results    PROBLEM: {e}")
     print("\n".join(lines))
     return 0
+
+
+def doctor_gpu_lines(cfg, platform, model: str | None, extra_args) -> list[str]:
+    """Which GPUs the server will see (CUDA_VISIBLE_DEVICES mapped to NVML), what strangers hold
+    on them, and the dtype the model runs with there."""
+    from tuner import gpu
+    from tuner.config import read_model_configs
+
+    v = gpu.visibility(cfg.env)
+    lines = []
+    if v.setting is not None:
+        shown = ", ".join(d.label for d in v.devices) or "none"
+        lines.append(f"CUDA       CUDA_VISIBLE_DEVICES={v.setting!r} ({v.source}): visible {shown}"
+                     + (f"; hidden {', '.join(d.label for d in v.hidden)}" if v.hidden else ""))
+    if v.note:
+        lines.append(f"CUDA       NOTE: {v.note}")
+    for d in v.devices:
+        bw = f", ~{d.memory_bandwidth_gbps:.0f} GB/s" if d.memory_bandwidth_gbps else ""
+        cc = f", compute {d.compute_capability[0]}.{d.compute_capability[1]}" if d.compute_capability else ""
+        role = " (vLLM's device)" if d.cuda_index == 0 else ""
+        lines.append(f"{d.label:<10} cuda:{d.cuda_index}{role} {d.name}: "
+                     f"{d.memory_total_bytes / 2**30:.1f} GiB total, "
+                     f"{d.memory_free_bytes / 2**30:.1f} GiB free{bw}{cc}")
+        holders = gpu.gpu_processes(d)
+        if holders:
+            held = sum(p.used_bytes for p in holders) / 2**30
+            lines.append(f"           strangers hold {held:.1f} GiB (no trial server is running now):")
+        for p in holders:
+            lines.append(f"           pid {p.pid} ({p.used_bytes / 2**30:.1f} GiB): "
+                         f"{p.cmdline[:80] or '(not in this PID namespace)'}")
+    if not v.devices:
+        why = ("CUDA_VISIBLE_DEVICES hides every GPU" if v.setting is not None and (v.hidden or v.note)
+               else "none seen by NVML")
+        lines.append(f"GPU        {why}: trials use vLLM's CPU build "
+                     f"({platform.memory_total_bytes / 2**30:.1f} GiB for the KV cache and model)")
+    found = read_model_configs(model) if model else None
+    if found is not None:
+        choice = gpu.supported_dtype(v.devices[0] if v.devices else None, found[0], extra_args)
+        lines.append(f"dtype      {choice.dtype or 'auto'}: {choice.reason}")
+    return lines

@@ -179,10 +179,250 @@ def _dimension(name: str, spec: dict, source: str) -> Dimension:
 
 
 def _check_value(name: str, value, source: str, where: str) -> None:
-    if name == "gpu_memory_utilization" and not 0 < value <= 1:
-        raise _fail(source, where, f"gpu_memory_utilization must be in (0, 1], got {value}")
-    if name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens") and value < 1:
-        raise _fail(source, where, f"{name} must be a positive integer, got {value}")
+    """One flag value against what vLLM 0.32 accepts; the message names the value and the range."""
+    if name == "gpu_memory_utilization":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise _fail(source, where, f"gpu_memory_utilization must be in (0, 1], got {value}")
+    elif name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _fail(source, where, f"{name} must be a positive integer (>= 1), got {value}")
+    elif name == "kv_cache_dtype":
+        if value not in KV_CACHE_DTYPES:
+            raise _fail(source, where, f"kv_cache_dtype {value!r} is not one of vLLM's: "
+                        + ", ".join(KV_CACHE_DTYPES))
+    elif name == "enforce_eager" and not isinstance(value, bool):
+        raise _fail(source, where, f"enforce_eager must be true or false, got {value!r}")
+
+
+# vLLM 0.32's CacheDType (vllm/config/cache.py); a value outside it fails vLLM's pydantic check
+# only after a 20-40 s start, so it is refused here. A newer vLLM may add names: extend the list.
+KV_CACHE_DTYPES = (
+    "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
+    "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+    "turboquant_3bit_nc", "ultraquant_4bit", "int4_per_token_head", "int8_per_token_head",
+    "fp8_per_token_head", "nvfp4", "nvfp4_4over6",
+)
+
+# vLLM flag -> (tunable name, parse) for values fixed in [server] extra_args
+_FIXED_FLAGS = {
+    "--gpu-memory-utilization": ("gpu_memory_utilization", float),
+    "--max-model-len": ("max_model_len", int),
+    "--max-num-seqs": ("max_num_seqs", int),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int),
+    "--kv-cache-dtype": ("kv_cache_dtype", str),
+}
+
+
+def fixed_flag_values(extra_args, source: str = "") -> dict:
+    """Tunable flags the study fixes in `[server] extra_args`, parsed and checked like the space's."""
+    out: dict = {}
+    args = list(extra_args)
+    for i, arg in enumerate(args):
+        flag, _, inline = arg.partition("=")
+        if flag not in _FIXED_FLAGS:
+            continue
+        name, parse = _FIXED_FLAGS[flag]
+        text = inline if inline else (args[i + 1] if i + 1 < len(args) else "")
+        try:
+            value = parse(text)
+        except ValueError:
+            value = text
+        _check_value(name, value, source, f"server.extra_args {flag}")
+        out[name] = value
+    return out
+
+
+def chunked_prefill_enabled(extra_args) -> bool:
+    """vLLM 0.32 turns chunked prefill on for every generating model unless told otherwise."""
+    enabled = True
+    for arg in extra_args:
+        if arg == "--enable-chunked-prefill":
+            enabled = True
+        elif arg == "--no-enable-chunked-prefill":
+            enabled = False
+    return enabled
+
+
+def check_flag_values(values: dict, source: str = "command line",
+                      extra_args: tuple[str, ...] = ()) -> None:
+    """Values of one config (`measure`): each in range, then vLLM's rules between them. None = unset."""
+    for name, value in values.items():
+        if value is not None:
+            _check_value(name, value, source, "--" + name.replace("_", "-"))
+    merged = {**fixed_flag_values(extra_args, source),
+              **{k: v for k, v in values.items() if v is not None}}
+    _check_batched_tokens({k: (v, v, "--" + k.replace("_", "-")) for k, v in merged.items()
+                           if k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")},
+                          chunked_prefill_enabled(extra_args), source)
+
+
+def _bounds(dim: "Dimension") -> tuple:
+    return (min(dim.choices), max(dim.choices)) if dim.choices else (dim.low, dim.high)
+
+
+def check_space(cfg: "StudyConfig") -> None:
+    """vLLM's rules between the searched flags (and those fixed in extra_args), over the whole space.
+
+    max_num_batched_tokens below max_num_seqs (always) or below max_model_len (with chunked prefill
+    off) makes vLLM 0.32 refuse to start. One flag cannot be clipped against another without a
+    conditional space, so a space where any combination breaks the rule is refused: change the one
+    range the message names."""
+    bounds = {k: (v, v, "server.extra_args --" + k.replace("_", "-"))
+              for k, v in fixed_flag_values(cfg.extra_args, cfg.source).items()}
+    bounds.update({d.name: (*_bounds(d), f"space.{d.name}") for d in cfg.dimensions
+                   if d.name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")})
+    _check_batched_tokens(bounds, chunked_prefill_enabled(cfg.extra_args), cfg.source, space=True)
+
+
+def _check_batched_tokens(bounds: dict, chunked_prefill: bool, source: str, space: bool = False) -> None:
+    if "max_num_batched_tokens" not in bounds:
+        return
+    low, _, where = bounds["max_num_batched_tokens"]
+    rules = [("max_num_seqs", "vLLM requires max_num_batched_tokens >= max_num_seqs")]
+    if not chunked_prefill:
+        rules.append(("max_model_len", "with --no-enable-chunked-prefill vLLM requires "
+                                       "max_num_batched_tokens >= max_model_len"))
+    for other, rule in rules:
+        if other not in bounds or low >= bounds[other][1]:
+            continue
+        high, other_where = bounds[other][1], bounds[other][2]
+        if space:
+            raise _fail(source, where, f"its lowest value {low} is below the highest {other} "
+                        f"{high} ({other_where}): {rule}",
+                        f"raise max_num_batched_tokens to >= {high} or lower {other}")
+        raise _fail(source, where, f"max_num_batched_tokens {low} is below {other} {high}: {rule}",
+                    f"give --max-num-batched-tokens >= {high}")
+
+
+# ---------------------------------------------------------------- what the model allows
+
+# config.json keys vLLM 0.32 reads for the model's length, smallest wins
+# (vllm/transformers_utils/model_arch_config_convertor.py derive_max_model_len_and_key)
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "model_max_length", "max_target_positions", "max_sequence_length",
+                 "max_seq_length", "seq_len")
+# RoPE types whose max_position_embeddings is already the scaled length (vllm/config/model.py)
+_ROPE_PRESCALED = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def model_max_len(config: dict, tokenizer_config: dict | None = None) -> tuple[int | None, str]:
+    """The largest --max-model-len vLLM 0.32 accepts for a model, and where it comes from.
+
+    Mirrors `_get_and_verify_max_len` for the simple cases: the smallest of the length keys of the
+    (text) config, `model_max_length` overriding, capped by the tokenizer's `model_max_length`,
+    times the RoPE scaling factor (except types whose length is already scaled, and Gemma 3);
+    a `model_max_length` in config.json above that still admits values up to it. Not mirrored:
+    sliding windows with --disable-sliding-window, encoder configs, speculative draft models.
+    (None, ...) when no key is present: vLLM then accepts any length.
+    """
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    derived, key = math.inf, ""
+    for k in _MAX_LEN_KEYS:
+        v = text.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < derived:
+            derived, key = v, k
+    if text.get("model_max_length"):
+        derived, key = text["model_max_length"], "model_max_length"
+    why = f"{key} {derived:g} in config.json" if key else ""
+    tok = (tokenizer_config or {}).get("model_max_length")
+    if isinstance(tok, (int, float)) and tok < derived:
+        derived, why = tok, f"model_max_length {tok:g} in tokenizer_config.json"
+    if derived == math.inf:
+        return None, "config.json names no maximum length"
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or config.get("rope_scaling")
+    layers = []
+    if isinstance(rope, dict):
+        nested = rope and all(isinstance(v, dict) for v in rope.values())
+        layers = [v for v in rope.values() if v] if nested else [rope]
+    if layers and "gemma3" not in str(config.get("model_type", "")):
+        factor = 1.0
+        for rp in layers:
+            kind = rp.get("rope_type") or rp.get("type") or "default"
+            if kind not in _ROPE_PRESCALED:
+                factor = rp.get("factor", factor)
+        factor = 1.0 if factor is None else factor
+        if factor != 1.0:
+            derived, why = derived * factor, f"{why} x RoPE factor {factor:g}"
+    override = text.get("model_max_length")
+    if isinstance(override, (int, float)) and override > derived:
+        derived, why = override, f"model_max_length {override:g} in config.json"
+    return int(derived), why
+
+
+def long_max_model_len_allowed(env=()) -> bool:
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN (the study's env over ours) lets vLLM exceed the model's limit."""
+    import os
+
+    value = dict(env).get("VLLM_ALLOW_LONG_MAX_MODEL_LEN",
+                          os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0"))
+    return value.strip().lower() in ("1", "true")
+
+
+def read_model_configs(model_dir) -> tuple[dict, dict | None] | None:
+    """config.json (and tokenizer_config.json) of a model folder; None when there is none to read
+    (an HF id not downloaded: vLLM will judge it)."""
+    import json
+
+    folder = Path(model_dir).expanduser()
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        tokenizer = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tokenizer = None
+    return (config, tokenizer) if isinstance(config, dict) else None
+
+
+def check_max_model_len(max_model_len: int, config: dict, tokenizer_config: dict | None = None,
+                        source: str = "command line", where: str = "--max-model-len") -> None:
+    """Refuse a --max-model-len the model's config.json already rules out."""
+    limit, why = model_max_len(config, tokenizer_config)
+    if limit is not None and max_model_len > limit:
+        raise _fail(source, where, f"max_model_len {max_model_len} exceeds the model's limit: "
+                    f"allowed 1..{limit} ({why})",
+                    "lower it, or set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 if you mean it")
+
+
+def fit_space_to_model(cfg: "StudyConfig", config: dict, tokenizer_config: dict | None = None,
+                       warn=None) -> "StudyConfig":
+    """The study with its max_model_len space cut at the model's limit.
+
+    A space wholly above the limit is an error. One partly above it is clipped, with one warning:
+    every launch above the limit is a certain 20 s crash that teaches the sampler nothing, and the
+    rest of the space still answers the question asked. The cut is the same on every run of the
+    same study and model, so a resumed study sees the same space."""
+    dim = cfg.dimension("max_model_len")
+    fixed = fixed_flag_values(cfg.extra_args, cfg.source).get("max_model_len")
+    if fixed is not None:
+        check_max_model_len(fixed, config, tokenizer_config, cfg.source,
+                            "server.extra_args --max-model-len")
+    limit, why = model_max_len(config, tokenizer_config)
+    if dim is None or limit is None or long_max_model_len_allowed(cfg.env) or _bounds(dim)[1] <= limit:
+        return cfg
+    where = "space.max_model_len"
+    if _bounds(dim)[0] > limit:
+        raise _fail(cfg.source, where, f"every value ({_describe(dim)}) exceeds the model's limit: "
+                    f"allowed 1..{limit} ({why})", f"search max_model_len <= {limit}")
+    if dim.choices:
+        kept = tuple(c for c in dim.choices if c <= limit)
+        new = replace(dim, choices=kept)
+        dropped = ", ".join(str(c) for c in dim.choices if c > limit)
+    else:
+        high = limit if not dim.step else int(dim.low + (limit - dim.low) // dim.step * dim.step)
+        new = replace(dim, high=high)
+        dropped = f"values above {limit}"
+    if warn is not None:
+        warn(f"tuner: warning: {cfg.source}: {where}: {dropped} exceed the model's limit {limit} "
+             f"({why}): searching {_describe(new)}")
+    return replace(cfg, dimensions=tuple(new if d is dim else d for d in cfg.dimensions))
+
+
+def _describe(dim: "Dimension") -> str:
+    if dim.choices:
+        return "choices " + ", ".join(str(c) for c in dim.choices)
+    return f"{dim.low}..{dim.high}" + (f" step {dim.step}" if dim.step else "")
 
 
 def default_storage(name: str) -> str:
@@ -274,6 +514,9 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         allowed = {"name": str, **{k: {"float": float, "int": int, "bool": bool, "str": str}[t]
                                    for k, t in TUNABLE.items()}}
         b = _take(b, allowed, source, f"baselines[{i}]")
+        for key, value in b.items():
+            if key != "name":
+                _check_value(key, value, source, f"baselines[{i}].{key}")
         baselines.append(Baseline(b.pop("name", f"baseline-{i}"), tuple(sorted(b.items()))))
 
     for key, value in workload.items():

@@ -23,7 +23,9 @@ class TrialOutcome:
     metrics: LoadMetrics | None = None
     launch_s: float = 0.0
     load_s: float = 0.0
-    peak_gpu_memory_bytes: int | None = None
+    peak_gpu_memory_bytes: int | None = None     # used on the server's GPU (everyone's)
+    peak_gpu_server_bytes: int | None = None     # of it, held by the server's process group
+    peak_gpu_stranger_bytes: int | None = None   # of it, held by other processes
 
     @property
     def failure_kind(self) -> str:
@@ -56,21 +58,28 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
     from tuner.gpu import PeakMemorySampler
 
     t0 = time.monotonic()
-    with ServerProcess(spec) as server, PeakMemorySampler() as sampler:
+    with ServerProcess(spec) as server, PeakMemorySampler(env=spec.env) as sampler:
         server.start()
+        sampler.server_pgid = server.pgid
         if on_started is not None:
             on_started(server)
         ready = server.wait_ready()
         base = TrialOutcome(params=spec.params, argv=tuple(server.argv), log_path=spec.log_path,
                             launch_s=time.monotonic() - t0)
         if isinstance(ready, LaunchFailure):
-            return replace(base, failure=ready, peak_gpu_memory_bytes=_peak(sampler))
+            return replace(base, failure=ready, **_peaks(sampler))
         t1 = time.monotonic()
         phases = run_load_test(server.base_url, spec.model, workload, progress=progress)
         metrics = summarize(phases, workload)
         return replace(base, capacity=ready, metrics=metrics, load_s=time.monotonic() - t1,
-                       peak_gpu_memory_bytes=_peak(sampler))
+                       **_peaks(sampler))
 
 
-def _peak(sampler) -> int | None:
-    return max(sampler.peak_bytes.values()) if sampler.peak_bytes else None
+def _peaks(sampler) -> dict:
+    """Peaks of the sampled GPUs (only those CUDA_VISIBLE_DEVICES shows the server)."""
+    def peak(by_gpu: dict) -> int | None:
+        return max(by_gpu.values()) if by_gpu else None
+
+    return {"peak_gpu_memory_bytes": peak(sampler.peak_bytes),
+            "peak_gpu_server_bytes": peak(sampler.server_peak_bytes),
+            "peak_gpu_stranger_bytes": peak(sampler.stranger_peak_bytes)}

@@ -64,7 +64,7 @@ def detect_platform(cfg: StudyConfig) -> Platform:
     from tuner import feasibility, gpu, launcher
 
     engine = tuple(cfg.engine) or tuple(launcher.default_engine_cmd())
-    devices = gpu.gpus()
+    devices = gpu.gpus(cfg.env)   # the GPUs the server sees, [0] its own
     if devices:
         d = devices[0]
         return Platform("cuda", d.name, d.memory_total_bytes, d.memory_bandwidth_gbps, engine,
