@@ -79,21 +79,7 @@ def vllm_version() -> str:
     return ""
 
 
-def resolve_model(cfg: StudyConfig) -> tuple[str, tuple[str, ...]]:
-    """The model argument for vLLM and the fixed flags, with --load-format dummy for weightless folders."""
-    path, weightless = presets.resolve_model(cfg.model)
-    looks_like_path = cfg.model.startswith(("/", "./", "../", "~")) or os.path.exists(path)
-    if looks_like_path and not os.path.isdir(os.path.expanduser(path)):
-        raise TunerError(f"model folder {cfg.model!r} does not exist: give a folder with "
-                         "config.json, an HF id, or preset:NAME")
-    path = os.path.expanduser(path)
-    extra = list(cfg.extra_args)
-    if not weightless and os.path.isdir(path):
-        weightless = not any(p.suffix in (".safetensors", ".bin", ".pt", ".gguf")
-                             for p in Path(path).iterdir())
-    if weightless and "--load-format" not in extra:
-        extra += ["--load-format", "dummy"]
-    return path, tuple(extra)
+from tuner.checkpoint import resolve_model  # noqa: E402,F401  (moved; callers import it from here)
 
 
 def launch_spec(cfg: StudyConfig, platform: Platform, model: str, extra_args: tuple[str, ...],
