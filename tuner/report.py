@@ -166,7 +166,7 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
     plot_all(df, folder, title=cfg.name)
     if len(front):
         row = export.choose(front, prefer)
-        (folder / "best-command.sh").write_text(export.script(row, study))
+        (folder / "best-command.sh").write_text(export.script(row, study, cfg))
     return df
 
 
