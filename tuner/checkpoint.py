@@ -88,7 +88,8 @@ def find_checkpoint(folder: Path) -> tuple[Path, list[Path]]:
         if w:
             found.append((here, w))
             dirs[:] = []      # shards of one checkpoint, not checkpoints of their own
-    with_config = [(d, w) for d, w in found if _is_model_dir(d)]
+    with_config = [(d, w) for d, w in found
+                   if _is_model_dir(d) or any(p.suffix == ".gguf" for p in w)]
     if len(with_config) == 1:
         return with_config[0]
     if len(with_config) > 1:
@@ -110,7 +111,10 @@ def _local(model: str, path: Path) -> tuple[str, bool]:
         raise ModelNotFound(model, "no such folder", "give a folder with config.json, an HF id "
                             "(org/name) or preset:NAME")
     served, weights = find_checkpoint(path)
-    if not _is_model_dir(served) and not any(p.suffix == ".gguf" for p in weights):
+    ggufs = [p for p in weights if p.suffix == ".gguf"]
+    if not _is_model_dir(served) and len(ggufs) == 1:
+        return str(ggufs[0]), False     # vLLM takes a lone GGUF by its file name
+    if not _is_model_dir(served) and not ggufs:
         raise ModelNotFound(model, f"{served} has no config.json, so it is no model folder",
                             "give the folder that holds config.json and the weights")
     if served != path:
