@@ -93,7 +93,7 @@ def test_presets_are_weightless(tmp_path):
 
 
 @pytest.mark.parametrize("make, problem", [
-    (lambda p: None, "no such folder"),
+    (lambda p: None, "does not exist"),
     (lambda p: p.mkdir(), "no config.json"),
     (lambda p: [sharded_safetensors(config_json(p / d)) for d in ("a", "b")], "several checkpoints"),
 ])

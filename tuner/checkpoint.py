@@ -108,7 +108,7 @@ def _local(model: str, path: Path) -> tuple[str, bool]:
     if path.is_file() and path.suffix == ".gguf":
         return str(path), False
     if not path.is_dir():
-        raise ModelNotFound(model, "no such folder", "give a folder with config.json, an HF id "
+        raise ModelNotFound(model, "the folder does not exist", "give a folder with config.json, an HF id "
                             "(org/name) or preset:NAME")
     served, weights = find_checkpoint(path)
     ggufs = [p for p in weights if p.suffix == ".gguf"]
