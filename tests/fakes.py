@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 from tuner.config import parse_study
-from tuner.launcher import Capacity, LaunchFailure
+from tuner.launcher import Capacity, LaunchFailure, build_argv
 from tuner.measure import TrialOutcome
 from tuner.metrics import LoadMetrics
 from tuner.study import Platform
@@ -53,6 +53,7 @@ class FakeDevice:
 
     def __post_init__(self):
         self.rng = random.Random(self.seed)
+    launcher_argv: bool = False         # record the argv the launcher builds (engine, extras, host, port)
 
     def kv_tokens(self, gmu: float) -> int:
         return max(0, int((gmu - self.overhead_gmu) * self.tokens_per_gmu / 0.1))
@@ -64,7 +65,9 @@ class FakeDevice:
         if self.interrupt_at == len(self.launches):
             raise KeyboardInterrupt
         p = spec.params
-        base = TrialOutcome(params=p, argv=("vllm", "serve", spec.model, *p.vllm_flags()),
+        argv = (tuple(build_argv(spec, spec.engine_cmd, FakeServer.port)) if self.launcher_argv
+                else ("vllm", "serve", spec.model, *p.vllm_flags()))
+        base = TrialOutcome(params=p, argv=argv,
                             log_path=spec.log_path, launch_s=1.0)
         tokens = self.kv_tokens(p.gpu_memory_utilization)
         if tokens < p.max_model_len:

@@ -43,6 +43,3 @@ def test_unknown_preset_names_the_choices():
         presets.preset_folder("nope")
 
 
-def test_resolve_model():
-    assert presets.resolve_model("preset:tiny") == (str(presets.TINY_MODEL), True)
-    assert presets.resolve_model("meta-llama/Llama-3.1-8B") == ("meta-llama/Llama-3.1-8B", False)

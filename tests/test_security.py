@@ -127,11 +127,13 @@ def test_exported_script_runs_exactly_the_argv(tmp_path, model_path):
     cfg = fake_config(tmp_path)
     study = Tuner(cfg, measure=FakeDevice(), platform=FAKE_PLATFORM, progress=False).run(3)
     extra = ["--served-model-name", "a b'c\"d", "--chat-template", "{{ $x }}"]
-    study.set_user_attr("config", {**study.user_attrs["config"], "model": model_path,
-                                   "extra_args": extra})
     df = report.trials_frame(study)
-    row = export.choose(df[df["pareto"]], "balanced")
-    want = export.argv(model_path, export.launch_params(row), extra)
+    row = export.choose(df[df["pareto"]], "balanced").copy()
+    flags = export.launch_params(row).vllm_flags()
+    # what the launcher ran; the export drops the trial's port and keeps everything else whole
+    row["command"] = shlex.join(["/venv/bin/vllm", "serve", model_path, *flags, *extra,
+                                 "--host", "127.0.0.1", "--port", "41234"])
+    want = ["vllm", "serve", model_path, *flags, *extra, "--host", "127.0.0.1"]
     assert shlex.split(export.command(row, study)) == want
 
     # run best-command.sh with a stand-in `vllm` that writes its argv NUL-separated

@@ -251,13 +251,14 @@ def test_configs_equal_on_the_grid_are_one_config(tmp_path):
 def test_export_command_is_quoted_for_any_path(tmp_path, model):
     cfg = fake_config(tmp_path)
     study = run(cfg, FakeDevice(), 4)
-    study.set_user_attr("config", {**study.user_attrs["config"], "model": model,
-                                   "extra_args": ["--served-model-name", "a b"]})
     df = report.trials_frame(study)
-    row = export.choose(df[df["pareto"]], "throughput")
+    row = export.choose(df[df["pareto"]], "throughput").copy()
+    row["command"] = shlex.join(["vllm", "serve", model, *export.launch_params(row).vllm_flags(),
+                                 "--served-model-name", "a b", "--host", "127.0.0.1",
+                                 "--port", "8123"])
     argv = shlex.split(export.command(row, study))
     assert argv[:3] == ["vllm", "serve", model]
-    assert argv[-2:] == ["--served-model-name", "a b"]
+    assert argv[-4:] == ["--served-model-name", "a b", "--host", "127.0.0.1"]
     assert argv[argv.index("--max-num-seqs") + 1] == str(int(row["max_num_seqs"]))
 
 

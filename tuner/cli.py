@@ -160,10 +160,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = command("export", "print the launch command of a Pareto config (and write best-command.sh)",
                      "  python -m tuner export\n  python -m tuner export --prefer ttft\n"
-                     "  python -m tuner export --json | jq .max_num_seqs\n")
+                     "  python -m tuner export --json | jq .max_num_seqs\n"
+                     "  python -m tuner export --study studies/h200-16gb.toml   "
+                     "the value for a 16 GB card\n"
+                     "  python -m tuner export --keep-dummy     serve random weights, as the trials did\n"
+                     "The command is the argv the trial ran: its fixed flags and --host, no --port "
+                     "(vLLM's 8000),\n`vllm serve MODEL`, and under a memory budget the value for "
+                     "a card of the budget's size.\nA preset's dummy weights become the model it "
+                     "stands for. Notes go to stderr and best-command.sh.\n")
     export.add_argument("--prefer", choices=("balanced", "throughput", "single-stream", "ttft"),
                         default="balanced", help="which Pareto config to pick (default balanced)")
     export.add_argument("--json", action="store_true", help="print the params as JSON instead")
+    export.add_argument("--keep-dummy", action="store_true",
+                        help="keep --load-format dummy (random weights) instead of naming the "
+                             "model a preset stands for")
     add_study_options(export, tuning=False)
 
     measure = command("measure", "launch one config, run the study's load test, print one JSON object",
@@ -236,7 +246,7 @@ def print_summary(study, cfg) -> None:
           "pareto.png, curves.png, parameters.png, best-command.sh)", file=sys.stderr)
     if len(front):
         print(export.command(export.choose(front, "balanced", df.attrs.get("noise"),
-                                           cfg.tie_tolerance), study))
+                                           cfg.tie_tolerance), study, cfg))
 
 
 def _study_and_frame(args):
@@ -282,12 +292,16 @@ def cmd_export(args) -> int:
     if front.empty:
         raise TunerError(f"study {cfg.name} has no feasible measured config yet: run more trials")
     row = export.choose(front, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance)
+    exported = export.exported(row, study, cfg, keep_dummy=args.keep_dummy)
+    for note in exported.notes:
+        print(f"# {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps(export.params_dict(row), indent=2))
+        print(json.dumps({**export.params_dict(row), "command": exported.command()}, indent=2))
     else:
-        print(export.command(row, study))
+        print(exported.command())
     cfg.results_path.mkdir(parents=True, exist_ok=True)
-    (cfg.results_path / "best-command.sh").write_text(export.script(row, study))
+    (cfg.results_path / "best-command.sh").write_text(
+        export.script(row, study, cfg, keep_dummy=args.keep_dummy))
     return 0
 
 
@@ -329,7 +343,8 @@ def cmd_measure(args) -> int:
 
 def cmd_doctor(args) -> int:
     from tuner.launcher import check_engine_cmd
-    from tuner.study import check_results_dir, detect_platform, open_storage, resolve_model
+    from tuner.checkpoint import resolve_model
+    from tuner.study import check_results_dir, detect_platform, open_storage
 
     cfg = load_config(args)
     platform = detect_platform(cfg)
@@ -342,8 +357,12 @@ def cmd_doctor(args) -> int:
     lines.append(f"vLLM       {platform.vllm_version or 'unknown (not installed in this Python)'}")
     model, extra = None, cfg.extra_args
     try:
-        model, extra = resolve_model(cfg)
-        lines.append(f"model      {model} {' '.join(extra)}")
+        model, extra = resolve_model(cfg, fetch=False)  # a check: never a download
+        if model == cfg.model and not os.path.exists(model) and not model.startswith("preset:"):
+            lines.append(f"model      {model}: HF id not in the local cache; `run` fetches it "
+                         "before the first launch")
+        else:
+            lines.append(f"model      {model} {' '.join(extra)}")
     except TunerError as e:
         lines.append(f"model      PROBLEM: {e}")
     lines += doctor_gpu_lines(cfg, platform, model, extra)

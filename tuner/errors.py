@@ -18,3 +18,22 @@ class ConfigError(TunerError):
         if fix:
             text += f" ({fix})"
         super().__init__(text)
+
+
+class CheckpointError(TunerError):
+    """The study's model cannot be had: names the model, what is wrong and the fix."""
+
+    def __init__(self, model: str, problem: str, fix: str = ""):
+        self.model, self.problem, self.fix = model, problem, fix
+        text = f"model {model!r}: {problem}"
+        if fix:
+            text += f" ({fix})"
+        super().__init__(text)
+
+
+class ModelNotFound(CheckpointError):
+    """No such folder, no such hub repository, or a folder that is not a model."""
+
+
+class HubUnreachable(CheckpointError):
+    """A hub id that is not in the local cache while the hub cannot be reached (offline)."""

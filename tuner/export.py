@@ -1,16 +1,29 @@
-"""The launch command of a chosen Pareto config: ServerParams -> argv -> shlex.join."""
+"""The launch command of a chosen Pareto config, rebuilt from the argv its trial ran."""
 
 from __future__ import annotations
 
+import os
+import re
 import shlex
+from dataclasses import dataclass, replace
+from pathlib import PurePath
 
 import pandas as pd
 
-from tuner import space
+from tuner import presets, space
 from tuner.report import MAXIMIZE, OBJECTIVES
 
 PREFERENCES = ("balanced", "throughput", "single-stream", "ttft")
 _BY = {"throughput": "throughput_tok_s", "single-stream": "single_stream_tok_s", "ttft": "ttft_ms"}
+
+MODEL_PLACEHOLDER = "MODEL"
+# The trial's own port was a free one picked for it; the export leaves vLLM's default.
+VLLM_DEFAULT_PORT = 8000
+DEFAULT_HOST = "127.0.0.1"
+# config.py's rule: names that hold secrets never sit in a study file; they are passed through
+# from the environment, so an export names them and never writes a value.
+_SECRET_NAME = re.compile(r"(^|_)(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD)S?$")
+_PASSED_THROUGH = ("VLLM_API_KEY",)
 
 
 def choose(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None = None,
@@ -56,41 +69,244 @@ def balanced_objectives(front: pd.DataFrame, noise: dict | None = None,
     return keys
 
 
+# ---------------------------------------------------------------- params of a row
+
+
+def _attr(row: pd.Series, key: str):
+    value = row.get(key) if key in row.index else None
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return None
+    return value
+
+
 def launch_params(row: pd.Series) -> space.ServerParams:
-    """The params the server was launched with (a memory budget scales the searched gmu)."""
+    """The params for the target card. Under a memory budget that is the searched share (the
+    trial param): on a card of the budget's size it is the --gpu-memory-utilization to pass."""
     values = {k: row[k] for k in space.ServerParams.__dataclass_fields__
               if k in row.index and pd.notna(row[k])}
-    if "launch_gpu_memory_utilization" in row.index and pd.notna(row["launch_gpu_memory_utilization"]):
-        values["gpu_memory_utilization"] = float(row["launch_gpu_memory_utilization"])
     for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         if k in values:
             values[k] = int(values[k])
+    if "gpu_memory_utilization" in values:
+        values["gpu_memory_utilization"] = float(values["gpu_memory_utilization"])
     if "enforce_eager" in values:
         values["enforce_eager"] = bool(values["enforce_eager"])
     return space.params_from(values)
 
 
-def argv(model: str, params: space.ServerParams, extra_args: list[str] | tuple[str, ...]) -> list[str]:
-    return ["vllm", "serve", model, *params.vllm_flags(), *extra_args]
+def measured_params(row: pd.Series) -> space.ServerParams:
+    """The params as the trial launched them on the measuring card (a budget scales the gmu)."""
+    p = launch_params(row)
+    launched = _attr(row, "launch_gpu_memory_utilization")
+    return p if launched is None else replace(p, gpu_memory_utilization=float(launched))
 
 
-def command(row: pd.Series, study) -> str:
-    summary = study.user_attrs.get("config", {})
-    return shlex.join(argv(summary.get("model", row.get("model", "")), launch_params(row),
-                           summary.get("extra_args", [])))
+def budget_note(row: pd.Series) -> str | None:
+    """Under a memory budget: which card the exported value is for and what the trial ran."""
+    budget = _attr(row, "memory_budget_gib")
+    share = _attr(row, "gpu_memory_utilization")
+    if budget is None or share is None:
+        return None
+    launched = _attr(row, "launch_gpu_memory_utilization")
+    card = _attr(row, "gpu_name") or "measuring device"
+    total = _attr(row, "gpu_memory_total_gib")
+    ran = f"{float(launched):g}" if launched is not None else "a scaled value"
+    on = f"the {card}" + (f" ({float(total):g} GiB)" if total is not None else "")
+    return (f"--gpu-memory-utilization {float(share):g} is for a card of {float(budget):g} GiB "
+            f"(the study's memory budget); the trial ran it as {ran} of {on}")
+
+
+# ---------------------------------------------------------------- the exported command
+
+
+@dataclass(frozen=True)
+class Exported:
+    """One exported config: the `vllm serve` argv, the environment settings it needs, and the
+    notes a person must read before running it (each one line, written as a shell comment)."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    notes: tuple[str, ...] = ()
+    placeholder: bool = False       # argv names MODEL_PLACEHOLDER, not a real model
+
+    def command(self) -> str:
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env), shlex.join(self.argv)])
+
+
+def _take(tokens: list[str], flag: str) -> tuple[list[str], list[str]]:
+    """(tokens without `flag VALUE` / `flag=VALUE`, the values it had)."""
+    kept, values, i = [], [], 0
+    while i < len(tokens):
+        t = tokens[i]
+        if t == flag and i + 1 < len(tokens):
+            values.append(tokens[i + 1])
+            i += 2
+            continue
+        if t.startswith(flag + "="):
+            values.append(t.split("=", 1)[1])
+        else:
+            kept.append(t)
+        i += 1
+    return kept, values
+
+
+def _replace(tokens: list[str], flag: str, value: str) -> list[str]:
+    """tokens with `flag`'s value set in place (or `flag value` first when it was absent)."""
+    out = list(tokens)
+    for i, t in enumerate(out):
+        if t == flag and i + 1 < len(out):
+            out[i + 1] = value
+            return out
+        if t.startswith(flag + "="):
+            out[i] = f"{flag}={value}"
+            return out
+    return [flag, value, *out]
+
+
+def _drop_pair(tokens: list[str], flag: str, value: str) -> tuple[list[str], bool]:
+    """(tokens without `flag value` / `flag=value`, whether it was there)."""
+    out, found, i = [], False, 0
+    while i < len(tokens):
+        if tokens[i] == flag and i + 1 < len(tokens) and tokens[i + 1] == value:
+            found, i = True, i + 2
+            continue
+        if tokens[i] == f"{flag}={value}":
+            found = True
+        else:
+            out.append(tokens[i])
+        i += 1
+    return out, found
+
+
+def split_engine(tokens: list[str]) -> tuple[str, list[str]] | None:
+    """(model, the flags after it) of a trial's argv, for `... vllm serve MODEL ...` and
+    `python -m vllm.entrypoints.openai.api_server --model MODEL ...`; None for anything else."""
+    for i, t in enumerate(tokens[:-1]):
+        if t == "serve" and i > 0 and PurePath(tokens[i - 1]).name == "vllm":
+            rest = tokens[i + 1:]
+            if rest and not rest[0].startswith("--"):
+                return rest[0], rest[1:]
+            rest, models = _take(rest, "--model")
+            return (models[-1], rest) if models else None
+    for i, t in enumerate(tokens):
+        if t.endswith("vllm.entrypoints.openai.api_server"):
+            rest, models = _take(tokens[i + 1:], "--model")
+            return (models[-1], rest) if models else None
+    return None
+
+
+def preset_of(model_path: str) -> str | None:
+    """The preset a served folder is (`tiny`, `llama-3.1-8b`, ...), from its path on any machine:
+    `.../tuner/presets/NAME` (the preset cache) or `.../tuner/models/tiny-llama`."""
+    parts = PurePath(model_path).parts
+    if len(parts) >= 3 and parts[-3:] == ("tuner", "models", presets.TINY_MODEL.name):
+        return "tiny"
+    if len(parts) >= 3 and parts[-3:-1] == ("tuner", "presets") and parts[-1] in presets.PRESETS:
+        return parts[-1]
+    return None
+
+
+def _trial_tokens(row: pd.Series, study, cfg) -> list[str]:
+    """The argv the trial ran; for older trials without `command`, the study's reconstruction."""
+    command = _attr(row, "command")
+    if command:
+        return shlex.split(command)
+    summary = study.user_attrs.get("config", {}) if study is not None else {}
+    model = summary.get("model") or _attr(row, "model") or (cfg.model if cfg else "")
+    host = cfg.host if cfg is not None else DEFAULT_HOST
+    return ["vllm", "serve", model, *measured_params(row).vllm_flags(),
+            *summary.get("extra_args", []), "--host", host]
+
+
+def exported(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False) -> Exported:
+    """The launch command of a trial, faithful to what it ran.
+
+    Same fixed flags and --host; no --port (the trial's was a free one: vLLM's default 8000
+    serves); `vllm serve MODEL` whatever engine spelling the trial used; under a memory budget
+    the value for the target card; --load-format dummy only with `keep_dummy`, else the model
+    the dummy weights stood in for (a preset's published checkpoint).
+    """
+    tokens = _trial_tokens(row, study, cfg)
+    parsed = split_engine(tokens)
+    if parsed is None:  # an engine the export cannot read: rebuild from the study
+        tokens = _trial_tokens(row.drop(labels=["command"], errors="ignore"), study, cfg)
+        parsed = split_engine(tokens)
+    model, flags = parsed
+    notes: list[str] = []
+
+    flags, _ports = _take(flags, "--port")
+    flags, hosts = _take(flags, "--host")
+    host = hosts[-1] if hosts else (cfg.host if cfg is not None else DEFAULT_HOST)
+
+    budget = budget_note(row)
+    if budget is not None:
+        target = launch_params(row).gpu_memory_utilization
+        flags = _replace(flags, "--gpu-memory-utilization", f"{target:g}")
+        notes.append(budget)
+
+    placeholder = False
+    without_dummy, dummy = _drop_pair(flags, "--load-format", "dummy")
+    if dummy and not keep_dummy:
+        flags = without_dummy
+        name = preset_of(model)
+        if name == "tiny":
+            model, placeholder = MODEL_PLACEHOLDER, True
+            notes.append(f"{MODEL_PLACEHOLDER}: the study tuned the tiny preset, which stands for "
+                         "no real model: put the path (or HF id) of a real checkpoint there")
+        elif name is not None:
+            model = presets.HF_IDS[name]
+            notes.append(f"the trials served random weights of the {name} shape; this serves "
+                         f"{model} (fetched from the hub; gated models need HF_TOKEN exported)")
+        else:
+            notes.append(f"the trials served random weights (--load-format dummy): {model} "
+                         "held no weights; put the checkpoint there before serving")
+    elif dummy:
+        notes.append("--load-format dummy kept: this serves random weights (text is noise)")
+
+    env = tuple(sorted(cfg.env)) if cfg is not None else ()
+    secrets = [k for k, _ in env if _SECRET_NAME.search(k.upper())]
+    env = tuple((k, v) for k, v in env if k not in secrets)
+    for name in (*secrets, *(k for k in _PASSED_THROUGH if k in os.environ)):
+        notes.append(f"export {name}=... first (passed through from the environment; "
+                     "the value is not written here)")
+    return Exported(("vllm", "serve", model, *flags, "--host", host), env, tuple(notes),
+                    placeholder)
+
+
+def argv(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False) -> list[str]:
+    """The exported `vllm serve ...` argv (no environment)."""
+    return list(exported(row, study, cfg, keep_dummy).argv)
+
+
+def command(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False) -> str:
+    """One shell line: environment settings, then `vllm serve ...`, each part quoted."""
+    return exported(row, study, cfg, keep_dummy).command()
 
 
 def params_dict(row: pd.Series) -> dict:
     p = launch_params(row)
     out = {k: v for k, v in p.__dict__.items() if v is not None}
     out["trial"] = int(row["trial"])
+    for k in ("memory_budget_gib", "launch_gpu_memory_utilization", "gpu_name"):
+        if budget_note(row) is not None and _attr(row, k) is not None:
+            out[k] = _attr(row, k) if k == "gpu_name" else float(_attr(row, k))
     for k in OBJECTIVES:
         out[k] = None if pd.isna(row.get(k)) else float(row[k])
     return out
 
 
-def script(row: pd.Series, study) -> str:
+def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False) -> str:
+    """best-command.sh: the notes as comments, the settings exported, then exec of the argv."""
+    e = exported(row, study, cfg, keep_dummy)
     figures = ", ".join(f"{k} {float(row[k]):.1f}" for k in OBJECTIVES if pd.notna(row.get(k)))
-    return ("#!/bin/sh\n"
-            f"# tuner study {study.study_name}, trial {int(row['trial'])}: {figures}\n"
-            f"exec {command(row, study)}\n")
+    lines = ["#!/bin/sh", f"# tuner study {study.study_name}, trial {int(row['trial'])}: {figures}"]
+    lines += [f"# {n}" for n in e.notes]
+    lines.append(f"# serves on vLLM's default port {VLLM_DEFAULT_PORT}; add --port N to change it")
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in e.env]
+    argv_text = shlex.join(e.argv)
+    if e.placeholder:
+        lines.append(f': "${{{MODEL_PLACEHOLDER}:?set {MODEL_PLACEHOLDER} to the checkpoint to '
+                     'serve: the tiny preset stands for no real model}"')
+        argv_text = shlex.join(e.argv[:2]) + f' "${MODEL_PLACEHOLDER}" ' + shlex.join(e.argv[3:])
+    lines.append(f"exec {argv_text}")
+    return "\n".join(lines) + "\n"

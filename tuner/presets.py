@@ -53,6 +53,15 @@ PRESETS: dict[str, dict] = {
     },
 }
 
+# The checkpoint each preset stands for (its config.json matches these published ones): what an
+# exported command serves once the dummy weights are dropped. The tiny preset stands for none.
+HF_IDS: dict[str, str] = {
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama-3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "qwen2.5-32b": "Qwen/Qwen2.5-32B-Instruct",
+}
+
 # The embedded default: small enough to start fast on 2 CPU cores, with a KV cache large enough per
 # token (4 layers x 4 KV heads x 64 x 2 bytes x 2 = 4 KiB) that the memory flags bite.
 TINY_CONFIG = _llama(256, 512, 4, 4, 4, 4096, 32768, 1, 2, None)
@@ -124,13 +133,6 @@ def preset_folder(name: str) -> Path:
             shutil.rmtree(folder)
         tmp.rename(folder)
     return folder
-
-
-def resolve_model(model: str) -> tuple[str, bool]:
-    """(path or HF id to pass to vLLM, whether it has no weights and needs --load-format dummy)."""
-    if model.startswith("preset:"):
-        return str(preset_folder(model.split(":", 1)[1])), True
-    return model, False
 
 
 if __name__ == "__main__":  # regenerate the embedded tiny model folder

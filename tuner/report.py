@@ -202,7 +202,7 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
     plot_all(df, folder, title=cfg.name, levels=levels)
     if len(front):
         row = export.choose(front, prefer, df.attrs.get("noise"))
-        (folder / "best-command.sh").write_text(export.script(row, study))
+        (folder / "best-command.sh").write_text(export.script(row, study, cfg))
     return df
 
 

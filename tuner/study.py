@@ -84,21 +84,7 @@ def vllm_version() -> str:
     return ""
 
 
-def resolve_model(cfg: StudyConfig) -> tuple[str, tuple[str, ...]]:
-    """The model argument for vLLM and the fixed flags, with --load-format dummy for weightless folders."""
-    path, weightless = presets.resolve_model(cfg.model)
-    looks_like_path = cfg.model.startswith(("/", "./", "../", "~")) or os.path.exists(path)
-    if looks_like_path and not os.path.isdir(os.path.expanduser(path)):
-        raise TunerError(f"model folder {cfg.model!r} does not exist: give a folder with "
-                         "config.json, an HF id, or preset:NAME")
-    path = os.path.expanduser(path)
-    extra = list(cfg.extra_args)
-    if not weightless and os.path.isdir(path):
-        weightless = not any(p.suffix in (".safetensors", ".bin", ".pt", ".gguf")
-                             for p in Path(path).iterdir())
-    if weightless and "--load-format" not in extra:
-        extra += ["--load-format", "dummy"]
-    return path, tuple(extra)
+from tuner.checkpoint import resolve_model  # noqa: E402,F401  (moved; callers import it from here)
 
 
 def launch_spec(cfg: StudyConfig, platform: Platform, model: str, extra_args: tuple[str, ...],
@@ -275,8 +261,10 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
     attrs["log_path"] = outcome.log_path
     attrs["launch_s"] = round(outcome.launch_s, 2)
     attrs["load_s"] = round(outcome.load_s, 2)
-    if outcome.peak_gpu_memory_bytes:
-        attrs["peak_gpu_memory_gib"] = round(outcome.peak_gpu_memory_bytes / 2**30, 3)
+    for key in ("peak_gpu_memory", "peak_gpu_server", "peak_gpu_stranger"):
+        value = getattr(outcome, f"{key}_bytes")
+        if value:  # the device's use, the server's own share, and what other processes held
+            attrs[f"{key}_gib"] = round(value / 2**30, 3)
     constraints = dict.fromkeys(CONSTRAINTS, 0.0)
     values = penalty_values(cfg)
     f = outcome.failure
@@ -601,7 +589,7 @@ class Tuner:
 
         share = params.gpu_memory_utilization or 0.92
         gpu.check_gpu_free(int(share * self.platform.memory_total_bytes),
-                           wait_s=self.cfg.gpu_busy_wait_s)
+                           wait_s=self.cfg.gpu_busy_wait_s, env=dict(self.cfg.env))
 
     def device_memory_bytes(self) -> int:
         """The device total now: on the CPU build it is the memory node's, which moves with the host."""
