@@ -209,7 +209,7 @@ def _unreachable(model_id: str, cache: Path, e: Exception) -> HubUnreachable:
 # ---------------------------------------------------------------- a study's model
 
 
-def resolve_model(cfg, fetch: bool = True) -> tuple[str, tuple[str, ...]]:
+def resolve_model(cfg, fetch: bool = True, quiet: bool = False) -> tuple[str, tuple[str, ...]]:
     """The model argument for vLLM and the study's fixed flags (with --load-format dummy where
     the model has no weights: presets and weightless folders, said once on stderr).
 
@@ -236,8 +236,9 @@ def resolve_model(cfg, fetch: bool = True) -> tuple[str, tuple[str, ...]]:
                                 "give a folder with config.json, an HF id (org/name) or preset:NAME")
     if weightless and "--load-format" not in extra:
         extra += ["--load-format", "dummy"]
-        log_once(f"model {model}: no weights in {path}: served with --load-format dummy "
-                 "(random weights; speed and memory are real, the text is not)")
+        if not quiet:
+            log_once(f"model {model}: no weights in {path}: served with --load-format dummy "
+                     "(random weights; speed and memory are real, the text is not)")
     from tuner import gpu
 
     devices = gpu.gpus(dict(cfg.env))

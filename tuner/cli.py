@@ -82,14 +82,15 @@ def checked_config(args: argparse.Namespace, values: dict | None = None):
     """The study, its values checked against vLLM's ranges and the model's config.json before any
     launch: `values` (one config, for `measure`) must fit; a searched max_model_len range partly
     over the model's limit is clipped with one warning line."""
-    from tuner import config, presets
+    from tuner import checkpoint, config
 
     cfg = load_config(args)
     if values is not None:
         config.check_flag_values(values, "command line", cfg.extra_args)
     else:
         config.check_space(cfg)
-    found = config.read_model_configs(presets.resolve_model(cfg.model)[0])
+    # no download here: an HF id not in the cache yet is judged by vLLM after the fetch
+    found = config.read_model_configs(checkpoint.resolve_model(cfg, fetch=False, quiet=True)[0])
     if found is None:
         return cfg
     if values is None:
