@@ -298,7 +298,7 @@ def test_dtype_flags_of_the_presets(tmp_path):
     from tuner import presets
 
     for name in ("tiny", "llama-3.1-8b"):
-        folder, _ = presets.resolve_model(f"preset:{name}")
+        folder = presets.preset_folder(name)
         assert gpu.dtype_flags(folder, V100) == ["--dtype", "float16"]
         assert gpu.dtype_flags(folder, H200) == []
         assert gpu.dtype_flags(folder, V100, ["--dtype", "bfloat16"]) == []
