@@ -54,7 +54,10 @@ class Workload:
     slo_tpot_ms: float | None = None
     slo_e2e_ms: float | None = None
     seed: int = 0                        # prompts and Poisson arrivals
-    metrics_poll_s: float | None = 2.0   # how often /metrics is sampled during a level (peaks); None = never
+    # How often /metrics is sampled during a level for gauge peaks (KV usage, queue); None = only
+    # before and after. Off by default: vLLM renders /metrics in the API server process that streams
+    # every response, and on an H200 (8B shape, c=256) a sample every 2 s cost throughput and TPOT.
+    metrics_poll_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -499,7 +502,7 @@ class _Progress:
 
 async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, payloads: Sequence[bytes], *,
                     concurrency: int, chat: bool = False, timeout_s: float = 300.0,
-                    request_rate: float | None = None, seed: int = 0, metrics_poll_s: float | None = 2.0,
+                    request_rate: float | None = None, seed: int = 0, metrics_poll_s: float | None = None,
                     progress: bool = True, clock: Callable[[], float] = time.perf_counter,
                     endpoint: str = "completions") -> PhaseResult:
     """Send `payloads` closed-loop at `concurrency`, or open-loop Poisson at `request_rate` (in-flight
@@ -510,14 +513,17 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
     stop = asyncio.Event()
 
     async def poll() -> None:
-        while not stop.is_set():
+        # the first sample one interval in, not in the opening burst, where it would delay the
+        # admission of every request of the first wave
+        while True:
+            try:
+                await asyncio.wait_for(stop.wait(), metrics_poll_s)
+                return
+            except TimeoutError:
+                pass
             for k, v in await fetch_server_metrics(session, base_url):
                 if k in SERVER_GAUGES:
                     peaks[k] = max(peaks.get(k, v), v)
-            try:
-                await asyncio.wait_for(stop.wait(), metrics_poll_s)
-            except TimeoutError:
-                pass
 
     bar = _Progress(name, len(payloads), progress)
     results: list[RequestResult | None] = [None] * len(payloads)

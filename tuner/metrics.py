@@ -302,8 +302,9 @@ def level_metrics(phase, workload) -> LevelMetrics:
                              (workload.slo_tpot_ms, out["tpot_ms_p90"]),
                              (workload.slo_e2e_ms, out["e2e_ms_p90"])))
     out["preemptions"] = _delta(phase, "vllm:num_preemptions_total")
-    out["kv_cache_usage_max"] = _peak(phase, "vllm:kv_cache_usage_perc")
-    out["num_requests_waiting_max"] = _peak(phase, "vllm:num_requests_waiting")
+    if phase.server_metrics_peak:  # only sampled while the level ran when polling is on
+        out["kv_cache_usage_max"] = _peak(phase, "vllm:kv_cache_usage_perc")
+        out["num_requests_waiting_max"] = _peak(phase, "vllm:num_requests_waiting")
     out["server_ttft_ms_mean"] = _hist_mean_ms(phase, "vllm:time_to_first_token_seconds")
     return LevelMetrics(**out)
 
