@@ -7,14 +7,31 @@ import random
 
 import aiohttp
 
+from tuner.errors import TunerError
+
+# The largest id the server's tokenizer decodes bounds the ids prompts are drawn from.
 _TOKEN_PROBES = (262144, 200000, 151000, 128000, 100000, 64000, 50000, 32000, 16000, 8000, 4000, 2000, 1000)
+_PROBE_TEXT = "w100 w101"
+_ROUNDS = 8            # detokenize/tokenize rounds per prompt; real tokenizers settle in 2-3
+_BATCH = 16            # prompts built at a time: the server is also tokenizing for others
+
+
+class PromptError(TunerError):
+    """No prompt of the asked length can be built on this server: nothing is sent (every request
+    would be rejected or mis-sized, for every config alike)."""
+
+    def __init__(self, base_url: str, prompt_tokens: int, problem: str):
+        self.base_url, self.prompt_tokens, self.problem = base_url, prompt_tokens, problem
+        super().__init__(f"cannot build prompts of exactly {prompt_tokens} tokens on {base_url}: {problem}")
+
 
 async def _post_json(session: aiohttp.ClientSession, url: str, body: dict) -> dict | None:
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=30)) as r:
             if r.status != 200:
                 return None
-            return await r.json()
+            got = await r.json()
+            return got if isinstance(got, dict) else None
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
         return None
 
@@ -24,54 +41,92 @@ async def build_prompts(session: aiohttp.ClientSession, base_url: str, model: st
     """`count` distinct prompts of exactly `prompt_tokens` tokens as the server counts them.
 
     Each prompt is random token ids detokenized by the server (distinct from its first tokens, so
-    prefix caching cannot flatter TTFT), then re-tokenized and trimmed or padded until the length is
-    exact; the special tokens (BOS) or the chat template's tokens are part of the count. Without
-    /tokenize the prompts are words `w<i>` (the embedded word-level tokenizer's scheme), unverified.
+    prefix caching cannot flatter TTFT), then re-tokenized and trimmed or padded until its length is
+    exact, then counted once more the way the request will be (BOS, or the chat template, included).
+    Raises PromptError when the server's tokenizer cannot give that length (a tokenizer that encodes
+    text to nothing, a template longer than the prompt) rather than sending prompts it would reject.
+    Without /tokenize the prompts are words `w<i>` (the embedded word-level tokenizer's scheme),
+    unverified.
     """
     rng = random.Random(seed)
     chat = endpoint == "chat"
     tok_url, detok_url = base_url + "/tokenize", base_url + "/detokenize"
-    probe = "w100 w101"
-    plain = await _post_json(session, tok_url, {"model": model, "prompt": probe, "add_special_tokens": False})
+
+    def fail(problem: str) -> PromptError:
+        return PromptError(base_url, prompt_tokens, problem)
+
+    async def tokens_of(text: str) -> list[int]:
+        r = await _post_json(session, tok_url, {"model": model, "prompt": text, "add_special_tokens": False})
+        if r is None or not isinstance(r.get("tokens"), list):
+            raise fail(f"{tok_url} did not answer")
+        return r["tokens"]
+
+    async def served_count(text: str) -> int:
+        """What the request will count: BOS or the chat template's tokens included."""
+        if chat:
+            body = {"model": model, "messages": [{"role": "user", "content": text}]}
+        else:
+            body = {"model": model, "prompt": text}
+        r = await _post_json(session, tok_url, body)
+        if r is None or not isinstance(r.get("count"), int):
+            raise fail(f"{tok_url} did not count a {'chat' if chat else 'completion'} prompt")
+        return r["count"]
+
+    async def text_of(ids: list[int]) -> str:
+        r = await _post_json(session, detok_url, {"model": model, "tokens": ids})
+        if r is None or not isinstance(r.get("prompt"), str):
+            raise fail(f"{detok_url} did not decode {len(ids)} token ids")
+        return r["prompt"]
+
+    plain = await _post_json(session, tok_url, {"model": model, "prompt": _PROBE_TEXT, "add_special_tokens": False})
     if plain is None:
         return [" ".join(f"w{rng.randrange(7, 4096)}" for _ in range(prompt_tokens)) for _ in range(count)]
-    if chat:
-        full = await _post_json(session, tok_url, {"model": model,
-                                                   "messages": [{"role": "user", "content": probe}]})
-    else:
-        full = await _post_json(session, tok_url, {"model": model, "prompt": probe})
-    overhead = (full or plain)["count"] - plain["count"]
-    target = max(prompt_tokens - overhead, 1)
+    if not plain.get("tokens"):
+        raise fail(f"its tokenizer encodes the text {_PROBE_TEXT!r} to no tokens, so every prompt would be "
+                   "empty (a tokenizer that does not fit the model folder's files?)")
+    overhead = await served_count(_PROBE_TEXT) - len(plain["tokens"])
+    if prompt_tokens - overhead < 1:
+        raise fail(f"the {'chat template' if chat else 'special tokens'} alone take {overhead} tokens")
 
     hi = 0
-    for ids in _TOKEN_PROBES:  # the largest id the tokenizer decodes bounds the vocabulary
+    for ids in _TOKEN_PROBES:
         r = await _post_json(session, detok_url, {"model": model, "tokens": [ids - 1]})
-        if r is not None and r.get("prompt", "").strip():
+        if r is not None and str(r.get("prompt", "")).strip():
             hi = ids
             break
     lo = max(hi // 10, 10)
     if hi <= lo:
-        raise RuntimeError(f"cannot find decodable token ids via {detok_url}")
+        raise fail(f"{detok_url} decodes none of the token ids {', '.join(str(p - 1) for p in _TOKEN_PROBES)}")
 
     async def one() -> str:
-        ids = [rng.randrange(lo, hi) for _ in range(target)]
-        text = ""
-        for _ in range(6):
-            r = await _post_json(session, detok_url, {"model": model, "tokens": ids})
-            if r is None:
-                break
-            text = r["prompt"]
-            t = await _post_json(session, tok_url, {"model": model, "prompt": text, "add_special_tokens": False})
-            if t is None:
-                break
-            got = t["tokens"]
-            if len(got) == target:
-                return text
-            ids = got[:target] if len(got) > target else got + [rng.randrange(lo, hi)
-                                                               for _ in range(target - len(got))]
-        return text  # best effort: the usage of each request records the real length
+        want = prompt_tokens - overhead      # tokens of the text alone
+        ids = [rng.randrange(lo, hi) for _ in range(want)]
+        got: list[int] = []
+        for _ in range(_ROUNDS):
+            text = await text_of(ids)
+            got = await tokens_of(text)
+            if not got:
+                raise fail(f"{len(ids)} token ids decode to text that encodes to no tokens")
+            if len(got) == want:
+                served = await served_count(text)
+                if served == prompt_tokens:
+                    return text
+                want += prompt_tokens - served   # the template joins the text differently
+                if want < 1:
+                    raise fail(f"a prompt of {len(got)} text tokens counts as {served}")
+            ids = got[:want] if len(got) > want else got + [rng.randrange(lo, hi) for _ in range(want - len(got))]
+        raise fail(f"after {_ROUNDS} rounds of {detok_url} and {tok_url} a prompt still has "
+                   f"{len(got)} tokens of text where {want} were wanted")
 
     prompts: list[str] = []
-    for i in range(0, count, 16):  # a few at a time: the server is also tokenizing for others
-        prompts += await asyncio.gather(*(one() for _ in range(min(16, count - i))))
-    return prompts
+    seen: set[str] = set()
+    for _ in range(3):                       # a duplicate is redrawn; a few rounds of them means the
+        missing = count - len(prompts)       # id range is too small for this many distinct prompts
+        for i in range(0, missing, _BATCH):
+            for p in await asyncio.gather(*(one() for _ in range(min(_BATCH, missing - i)))):
+                if p not in seen:
+                    seen.add(p)
+                    prompts.append(p)
+        if len(prompts) == count:
+            return prompts
+    raise fail(f"only {len(prompts)} of {count} prompts are distinct (token ids {lo}-{hi - 1})")
