@@ -79,7 +79,7 @@ class TokenizerServer:
     the tokenizer vLLM itself would load from `folder` (transformers' AutoTokenizer), so prompt
     building meets the real tokenizer without starting a server. `tamper(path, body)` may rewrite
     an answer (`path`, the request's JSON, the answer), to stand in for a misbehaving tokenizer;
-    None answers 404, as a server without that endpoint does."""
+    None answers 404, as a server without that endpoint does, and a number answers that status."""
 
     def __init__(self, folder, tamper=None):
         import asyncio
@@ -136,7 +136,9 @@ class TokenizerServer:
     def _answer(answer):
         from aiohttp import web
 
-        return web.json_response(answer) if answer is not None else web.Response(status=404)
+        if answer is None or isinstance(answer, int):
+            return web.Response(status=answer or 404, text="tampered")
+        return web.json_response(answer)
 
     def count_served(self, text: str, chat: bool = False) -> int:
         if chat:

@@ -111,3 +111,13 @@ def test_without_tokenize_the_word_scheme_is_used(preset_dirs):
         server.close()
     assert [server.count_served(p) for p in prompts] == [10] * 3       # unverified, right for w<i> vocabularies
     assert len(set(prompts)) == 3
+
+
+def test_a_failing_tokenize_is_not_taken_for_a_missing_one(preset_dirs):
+    server = TokenizerServer(preset_dirs["tiny"])
+    server.tamper = lambda path, request, answer: 500 if path == "/tokenize" else answer
+    try:
+        with pytest.raises(PromptError, match="/tokenize answered HTTP 500"):
+            build(server, 2, 16)
+    finally:
+        server.close()

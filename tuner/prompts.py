@@ -25,15 +25,20 @@ class PromptError(TunerError):
         super().__init__(f"cannot build prompts of exactly {prompt_tokens} tokens on {base_url}: {problem}")
 
 
-async def _post_json(session: aiohttp.ClientSession, url: str, body: dict) -> dict | None:
+async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict | None]:
+    """(HTTP status or 0 when nothing answered, the JSON object answered or None)."""
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=30)) as r:
             if r.status != 200:
-                return None
+                return r.status, None
             got = await r.json()
-            return got if isinstance(got, dict) else None
+            return r.status, (got if isinstance(got, dict) else None)
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-        return None
+        return 0, None
+
+
+async def _post_json(session: aiohttp.ClientSession, url: str, body: dict) -> dict | None:
+    return (await _post(session, url, body))[1]
 
 
 async def build_prompts(session: aiohttp.ClientSession, base_url: str, model: str, count: int,
@@ -45,8 +50,8 @@ async def build_prompts(session: aiohttp.ClientSession, base_url: str, model: st
     exact, then counted once more the way the request will be (BOS, or the chat template, included).
     Raises PromptError when the server's tokenizer cannot give that length (a tokenizer that encodes
     text to nothing, a template longer than the prompt) rather than sending prompts it would reject.
-    Without /tokenize the prompts are words `w<i>` (the embedded word-level tokenizer's scheme),
-    unverified.
+    A server without /tokenize (HTTP 404) gets words `w<i>` (the embedded word-level tokenizer's
+    scheme), unverified; one whose /tokenize fails raises PromptError.
     """
     rng = random.Random(seed)
     chat = endpoint == "chat"
@@ -78,9 +83,12 @@ async def build_prompts(session: aiohttp.ClientSession, base_url: str, model: st
             raise fail(f"{detok_url} did not decode {len(ids)} token ids")
         return r["prompt"]
 
-    plain = await _post_json(session, tok_url, {"model": model, "prompt": _PROBE_TEXT, "add_special_tokens": False})
-    if plain is None:
+    status, plain = await _post(session, tok_url, {"model": model, "prompt": _PROBE_TEXT,
+                                                   "add_special_tokens": False})
+    if status in (404, 405):                 # a server without the endpoint, not a failing one
         return [" ".join(f"w{rng.randrange(7, 4096)}" for _ in range(prompt_tokens)) for _ in range(count)]
+    if plain is None:
+        raise fail(f"{tok_url} answered {f'HTTP {status}' if status else 'nothing'} to a short text")
     if not plain.get("tokens"):
         raise fail(f"its tokenizer encodes the text {_PROBE_TEXT!r} to no tokens, so every prompt would be "
                    "empty (a tokenizer that does not fit the model folder's files?)")
