@@ -113,11 +113,26 @@ def test_without_tokenize_the_word_scheme_is_used(preset_dirs):
     assert len(set(prompts)) == 3
 
 
-def test_a_failing_tokenize_is_not_taken_for_a_missing_one(preset_dirs):
+def test_a_refusing_tokenize_is_not_taken_for_a_missing_one(preset_dirs):
     server = TokenizerServer(preset_dirs["tiny"])
-    server.tamper = lambda path, request, answer: 500 if path == "/tokenize" else answer
+    server.tamper = lambda path, request, answer: 400 if path == "/tokenize" else answer
     try:
-        with pytest.raises(PromptError, match="/tokenize answered HTTP 500"):
+        with pytest.raises(PromptError, match="/tokenize answered HTTP 400"):
             build(server, 2, 16)
     finally:
         server.close()
+
+
+def test_a_server_that_fails_meanwhile_gets_words_whose_requests_will_fail(preset_dirs):
+    # a crash is that config's failed load test, not a study-wide PromptError
+    calls = []
+
+    def dies(path, request, answer):
+        calls.append(path)
+        return 503 if len(calls) > 3 else answer
+    server = TokenizerServer(preset_dirs["tiny"], tamper=dies)
+    try:
+        prompts = build(server, 3, 16)
+    finally:
+        server.close()
+    assert len(prompts) == 3 and all(len(p.split()) == 16 for p in prompts)
