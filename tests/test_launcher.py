@@ -377,14 +377,22 @@ def test_signal_to_the_tuner_stops_its_server(tmp_path, sig):
                              log=str(log), pgid_file=str(pgid_file))
     # SIGINT as typed at a terminal, even when these tests run in a background job (SIGINT ignored)
     tuner = subprocess.Popen([sys.executable, "-c", code], preexec_fn=terminal_signals)
-    deadline = time.monotonic() + patience(30)
-    # the server is up with its worker forked (it says so once both exist), and the tuner knows its group
-    while not (pgid_file.exists() and pgid_file.read_text() and log.exists()
-               and "workers started" in log.read_text()) and time.monotonic() < deadline:
-        assert tuner.poll() is None, tuner.returncode
-        time.sleep(0.05)
-    pgid = int(pgid_file.read_text())
-    assert len(group_members(pgid)) >= 2          # the server and its worker
-    tuner.send_signal(sig)
-    assert tuner.wait(patience(30)) == (130 if sig == signal.SIGINT else 128 + sig)
-    assert group_members(pgid) == []
+    pgid = None
+    try:
+        deadline = time.monotonic() + patience(30)
+        # the server is up with its worker forked (it says so once both exist), and the tuner knows its group
+        while not (pgid_file.exists() and pgid_file.read_text() and log.exists()
+                   and "workers started" in log.read_text()) and time.monotonic() < deadline:
+            assert tuner.poll() is None, tuner.returncode
+            time.sleep(0.05)
+        pgid = int(pgid_file.read_text())
+        assert len(group_members(pgid)) >= 2          # the server and its worker
+        tuner.send_signal(sig)
+        assert tuner.wait(patience(30)) == (130 if sig == signal.SIGINT else 128 + sig)
+        assert group_members(pgid) == []
+    finally:  # a failed run leaves neither the tuner nor its stubborn server behind
+        if tuner.poll() is None:
+            tuner.kill()
+            tuner.wait()
+        if pgid is not None and group_members(pgid):
+            os.killpg(pgid, signal.SIGKILL)
