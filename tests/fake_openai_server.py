@@ -18,7 +18,8 @@ FAKE_HOLD_DIR holds the server at a phase for as long as a test wants it there, 
 for that phase cannot miss it on a slow machine: while the file `hold-launch` exists in that folder
 the server holds before it binds its port (the tuner is waiting for it to start), while `hold-load`
 exists every completion holds before its first byte (the tuner is load-testing). A held server
-writes `at-PHASE.PID` there and goes on once the hold file is gone or `go.PID` appears.
+writes `at-PHASE.PID` there and goes on once the hold file is gone or `go.PID` appears, or after
+FAKE_HOLD_MAX_S (600) seconds, so a test that failed midway leaves no server held for ever.
 Startup prints uvicorn's lines so logs look like vLLM's.
 """
 
@@ -38,6 +39,7 @@ TOKEN_DELAY_S = float(os.environ.get("FAKE_STREAM_DELAY", "0.001"))  # between s
 
 
 HOLD_DIR = os.environ.get("FAKE_HOLD_DIR")
+HOLD_UNTIL = time.monotonic() + float(os.environ.get("FAKE_HOLD_MAX_S", "600"))
 
 
 def say(text: str) -> None:
@@ -46,7 +48,8 @@ def say(text: str) -> None:
 
 def held(phase: str) -> bool:
     """Whether to hold at `phase` now; announces the hold once (at-PHASE.PID)."""
-    if not HOLD_DIR or not os.path.exists(os.path.join(HOLD_DIR, f"hold-{phase}")) or \
+    if not HOLD_DIR or time.monotonic() > HOLD_UNTIL or \
+            not os.path.exists(os.path.join(HOLD_DIR, f"hold-{phase}")) or \
             os.path.exists(os.path.join(HOLD_DIR, f"go.{os.getpid()}")):
         return False
     marker = os.path.join(HOLD_DIR, f"at-{phase}.{os.getpid()}")
