@@ -238,6 +238,7 @@ def test_killed_tuner_resumes_with_nothing_orphaned_or_lost(tmp_path, model):
 # ---------------------------------------------------------------- real vLLM
 
 @pytest.mark.vllm
+@pytest.mark.timeout(1800)   # six real launches: 6.5 min on a busy 2-core box, 12 min at load 8
 def test_real_vllm_killed_tuner_and_killed_server(tmp_path, model):
     """The real CPU build: the tuner SIGINTed while vLLM starts, SIGTERMed and SIGKILLed during
     the load test and SIGKILLed during the launch; the same command run again reaps what the
