@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -29,14 +30,14 @@ def tiny_model() -> str:
     return str(TINY_MODEL)
 
 
-@pytest.fixture(scope="session")
-def tiny_vllm_server(tmp_path_factory):
-    """A real vLLM server (CPU build) of the tiny model; yields (base_url, served model name)."""
+@contextlib.contextmanager
+def real_vllm(model: str, log: Path, *extra: str, max_model_len: int = 1024):
+    """A real vLLM server (CPU build) of `model` with dummy weights; yields its base URL."""
     port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(TINY_MODEL),
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "1024", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.1"]
+            "--max-model-len", str(max_model_len), "--max-num-seqs", "8", "--gpu-memory-utilization", "0.1",
+            *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
@@ -54,7 +55,7 @@ def tiny_vllm_server(tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail("vLLM did not become ready in 600 s")
             time.sleep(0.5)
-        yield base_url, str(TINY_MODEL)
+        yield base_url
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -65,3 +66,10 @@ def tiny_vllm_server(tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_server(tmp_path_factory):
+    """A real vLLM server (CPU build) of the tiny model; yields (base_url, served model name)."""
+    with real_vllm(str(TINY_MODEL), tmp_path_factory.mktemp("vllm") / "server.log") as base_url:
+        yield base_url, str(TINY_MODEL)

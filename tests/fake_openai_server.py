@@ -14,6 +14,12 @@ streaming endpoint. FAKE_MODE (environment) picks how completions misbehave:
   port_taken_once   like port_taken on the first launch (FAKE_STATE file marks it), then ok
 
 FAKE_START_DELAY and FAKE_STREAM_DELAY (seconds) widen the launch and load windows.
+FAKE_HOLD_DIR holds the server at a phase for as long as a test wants it there, so a fault meant
+for that phase cannot miss it on a slow machine: while the file `hold-launch` exists in that folder
+the server holds before it binds its port (the tuner is waiting for it to start), while `hold-load`
+exists every completion holds before its first byte (the tuner is load-testing). A held server
+writes `at-PHASE.PID` there and goes on once the hold file is gone or `go.PID` appears, or after
+FAKE_HOLD_MAX_S (600) seconds, so a test that failed midway leaves no server held for ever.
 Startup prints uvicorn's lines so logs look like vLLM's.
 """
 
@@ -32,8 +38,35 @@ START_DELAY_S = float(os.environ.get("FAKE_START_DELAY", "0"))   # before the se
 TOKEN_DELAY_S = float(os.environ.get("FAKE_STREAM_DELAY", "0.001"))  # between streamed tokens
 
 
+HOLD_DIR = os.environ.get("FAKE_HOLD_DIR")
+HOLD_UNTIL = time.monotonic() + float(os.environ.get("FAKE_HOLD_MAX_S", "600"))
+
+
 def say(text: str) -> None:
     print(text, flush=True)
+
+
+def held(phase: str) -> bool:
+    """Whether to hold at `phase` now; announces the hold once (at-PHASE.PID)."""
+    if not HOLD_DIR or time.monotonic() > HOLD_UNTIL or \
+            not os.path.exists(os.path.join(HOLD_DIR, f"hold-{phase}")) or \
+            os.path.exists(os.path.join(HOLD_DIR, f"go.{os.getpid()}")):
+        return False
+    marker = os.path.join(HOLD_DIR, f"at-{phase}.{os.getpid()}")
+    if not os.path.exists(marker):
+        say(f"INFO:     fake server held at {phase}")
+        open(marker, "w").close()
+    return True
+
+
+def hold(phase: str) -> None:
+    while held(phase):
+        time.sleep(0.05)
+
+
+async def hold_async(phase: str) -> None:
+    while held(phase):
+        await asyncio.sleep(0.05)
 
 
 async def health(request):
@@ -80,6 +113,7 @@ def chunk(payload) -> bytes:
 
 async def completions(request):
     body = await request.json()
+    await hold_async("load")
     say('INFO:     127.0.0.1 - "POST /v1/completions HTTP/1.1" ' + ("500" if MODE == "http500" else "200"))
     if MODE == "http500":
         return web.json_response({"object": "error", "message": "EngineCore encountered an issue",
@@ -133,11 +167,14 @@ def main() -> None:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", completions)
+    hold("launch")
     time.sleep(START_DELAY_S)
     say("INFO:     Started server process")
     say("INFO:     Waiting for application startup.")
     say("INFO:     Application startup complete.")
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    # a short shutdown: on SIGTERM a completion still held is cancelled after 1 s, not after
+    # aiohttp's default 60 s (longer than the tuner's grace before SIGKILL)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=1.0)
 
 
 if __name__ == "__main__":

@@ -160,3 +160,84 @@ class FakeNvml:
         if index >= len(h.migs):
             self._fail()
         return h.migs[index]
+
+
+class TokenizerServer:
+    """vLLM's /tokenize and /detokenize in-process (a thread with its own aiohttp loop), backed by
+    the tokenizer vLLM itself would load from `folder` (transformers' AutoTokenizer), so prompt
+    building meets the real tokenizer without starting a server. `tamper(path, body)` may rewrite
+    an answer (`path`, the request's JSON, the answer), to stand in for a misbehaving tokenizer;
+    None answers 404, as a server without that endpoint does, and a number answers that status."""
+
+    def __init__(self, folder, tamper=None):
+        import asyncio
+        import socket
+        import threading
+
+        from aiohttp import web
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(folder))
+        self.tamper = tamper or (lambda path, request, answer: answer)
+        self.loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        self.runner = web.AppRunner(app)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        ready = threading.Event()
+
+        def serve():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.runner.setup())
+            self.loop.run_until_complete(web.SockSite(self.runner, sock).start())
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    async def _tokenize(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        if "messages" in body:   # vLLM's TokenizeChatRequest: add_generation_prompt defaults to true
+            ids = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = self.tok.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+        return self._answer(self.tamper("/tokenize", body, {"count": len(ids), "tokens": list(ids)}))
+
+    async def _detokenize(self, request):
+        from aiohttp import web
+
+        body = await request.json()
+        ids = body["tokens"]
+        if any(i >= len(self.tok) for i in ids):   # vLLM answers 400 for ids beyond the vocabulary
+            return web.json_response({"error": "token id out of vocabulary"}, status=400)
+        return self._answer(self.tamper("/detokenize", body, {"prompt": self.tok.decode(ids)}))
+
+    @staticmethod
+    def _answer(answer):
+        from aiohttp import web
+
+        if answer is None or isinstance(answer, int):
+            return web.Response(status=answer or 404, text="tampered")
+        return web.json_response(answer)
+
+    def count_served(self, text: str, chat: bool = False) -> int:
+        if chat:
+            ids = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True)
+            return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return len(self.tok.encode(text))
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

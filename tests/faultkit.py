@@ -29,6 +29,27 @@ FAKE_VLLM = TESTS / "fake_vllm.py"
 LOGS = TESTS / "data" / "logs"
 
 
+def patience(seconds: float) -> float:
+    """`seconds` of waiting on an idle machine, stretched for a busy one: by the load per core
+    right now (at most 5 times), or by TUNER_TEST_PATIENCE when set. For waits that end on an
+    observed fact, so a longer one costs time only when something is really wrong."""
+    factor = os.environ.get("TUNER_TEST_PATIENCE")
+    if factor:
+        return seconds * float(factor)
+    try:
+        busy = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        busy = 1.0
+    return seconds * min(5.0, max(1.0, busy))
+
+
+def terminal_signals() -> None:
+    """Run in a child before exec: SIGINT as at a terminal. A job started in the background of a
+    non-interactive shell (`pytest ... &`, CI runners) inherits SIGINT ignored, and Python keeps
+    an ignored SIGINT ignored, so a tuner started from such a test would never see its Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def private_model(folder: Path) -> Path:
     """A copy of the embedded tiny model under a unique name: its path marks our servers' argv."""
     from tuner.presets import TINY_MODEL
@@ -160,6 +181,7 @@ class TunerRun:
     trials: int
     marker: str                        # our model folder: in every server argv we start
     timeout_s: float = 600.0
+    hold_dir: Path | None = None       # FAKE_HOLD_DIR of a fake engine: phases are held, not raced
     log: list[str] = field(default_factory=list)
 
     def argv(self) -> list[str]:
@@ -173,7 +195,7 @@ class TunerRun:
         # would reach it, its servers being in sessions of their own)
         return subprocess.Popen(self.argv(), cwd=REPO, stdout=out, stderr=out,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                preexec_fn=terminal_signals, env={**os.environ, "PYTHONPATH": str(REPO)})
 
     def running_trial(self, pid: int | None = None):
         """The trial the tuner `pid` is working on (a SIGKILLed tuner leaves its own RUNNING)."""
@@ -183,34 +205,74 @@ class TunerRun:
                    and (pid is None or t.user_attrs.get("tuner_pid") == pid)]
         return running[-1] if running else None
 
+    def server_log_path(self, trial) -> Path:
+        return self.results / self.name / "trials" / str(trial.number) / "server.log"
+
     def server_log(self, trial) -> str:
         try:
-            return (self.results / self.name / "trials" / str(trial.number) / "server.log").read_text(
-                errors="replace")
+            return self.server_log_path(trial).read_text(errors="replace")
         except OSError:
             return ""
+
+    def hold(self, phase: str | None) -> None:
+        """Fake servers hold at `phase` from now on (None: at no phase); held ones are let go."""
+        if self.hold_dir is None:
+            return
+        self.hold_dir.mkdir(parents=True, exist_ok=True)
+        for f in self.hold_dir.glob("hold-*"):
+            if f.name != f"hold-{phase}":
+                f.unlink()
+        if phase is not None:
+            (self.hold_dir / f"hold-{phase}").touch()
 
     def wait_phase(self, proc: subprocess.Popen, phase: str, min_completed: int,
                    timeout_s: float) -> bool:
         """Until the tuner is launching a server (`launch`) or load-testing it (`load`), with at
-        least `min_completed` trials finished. False when the tuner exited or time ran out."""
+        least `min_completed` trials finished and the server's process group recorded in storage.
+        False when the tuner exited or time ran out.
+
+        With `hold_dir` the server holds at the phase until told to go (see fake_openai_server),
+        so the phase cannot pass before the fault; servers of trials before `min_completed` are let
+        go. Without it (real vLLM) the trial's log is watched closely once the trial is found."""
         deadline = time.monotonic() + timeout_s
-        seen_at = None
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 return False
             t = self.running_trial(proc.pid)
-            if t is not None and t.user_attrs.get("server_pgid") and \
-                    len(completed(self.storage, self.name)) >= min_completed:
-                text = self.server_log(t)
-                ready = "Application startup complete" in text
-                if phase == "launch" and not ready and text:
-                    seen_at = seen_at or time.monotonic()
-                    if time.monotonic() - seen_at > 1.0:   # the server is well into its start
+            pgid = t.user_attrs.get("server_pgid") if t is not None else None
+            enough = len(completed(self.storage, self.name)) >= min_completed
+            if self.hold_dir is not None:
+                for at in self.hold_dir.glob(f"at-{phase}.*"):
+                    pid = int(at.name.rsplit(".", 1)[1])
+                    if pgid is None:        # the tuner has not recorded its server yet
+                        break
+                    if pid == pgid and enough:
                         return True
-                if phase == "load" and "POST /v1/completions" in text:
-                    return True
+                    (self.hold_dir / f"go.{pid}").touch()    # not the trial to fault: let it go
+            elif pgid and enough and self._watch_log(proc, t, phase, deadline):
+                return True
             time.sleep(0.2)
+        return False
+
+    def _watch_log(self, proc, trial, phase: str, deadline: float) -> bool:
+        """Poll one trial's server log every 50 ms until it shows `phase`, or the trial ends."""
+        seen_at = None
+        next_check = time.monotonic() + 1.0
+        while time.monotonic() < deadline and proc.poll() is None:
+            text = self.server_log(trial)
+            ready = "Application startup complete" in text
+            if phase == "launch" and text and not ready:
+                seen_at = seen_at or time.monotonic()
+                if time.monotonic() - seen_at > 1.0:      # the server is well into its start
+                    return True
+            if phase == "launch" and ready or phase == "load" and "POST /v1/completions" in text:
+                return phase == "load"                    # a launch already over: the next trial's
+            if time.monotonic() > next_check:             # storage is slow to read: now and then
+                next_check = time.monotonic() + 1.0
+                t = self.running_trial(proc.pid)
+                if t is None or t.number != trial.number:
+                    return False
+            time.sleep(0.05)
         return False
 
 
@@ -242,8 +304,9 @@ def kill_chain(run: TunerRun, scenarios: list[tuple[str, str]], workdir: Path,
     pending_pgids: set[int] = set()
     for i, (sig_name, phase) in enumerate(scenarios):
         before = completed(run.storage, run.name)
+        run.hold(phase)
         proc = run.start(stderr_path)
-        ok = run.wait_phase(proc, phase, min_completed=1, timeout_s=run.timeout_s)
+        ok = run.wait_phase(proc, phase, min_completed=1, timeout_s=patience(run.timeout_s))
         if pending_reap:
             # the run has launched a new server (or ended): the old one must be gone by now
             alive = leftovers(pending_pgids, [])
@@ -260,7 +323,7 @@ def kill_chain(run: TunerRun, scenarios: list[tuple[str, str]], workdir: Path,
         sig_pgids = recorded_pgids(run.storage, run.name)
         os.kill(proc.pid, SIGNALS[sig_name])
         try:
-            code = proc.wait(timeout=120)
+            code = proc.wait(timeout=patience(120))
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
@@ -280,12 +343,14 @@ def kill_chain(run: TunerRun, scenarios: list[tuple[str, str]], workdir: Path,
         figures.append(f)
 
     before = completed(run.storage, run.name)
+    run.hold("load" if on_final_load is not None else None)
     proc = run.start(stderr_path)
     if on_final_load is not None:
-        if run.wait_phase(proc, "load", min_completed=0, timeout_s=run.timeout_s):
+        if run.wait_phase(proc, "load", min_completed=0, timeout_s=patience(run.timeout_s)):
             on_final_load(run.running_trial(proc.pid), run)
+        run.hold(None)
     try:
-        code = proc.wait(timeout=run.timeout_s)
+        code = proc.wait(timeout=patience(run.timeout_s))
     except subprocess.TimeoutExpired:
         proc.kill()
         code = proc.wait()

@@ -228,11 +228,15 @@ ALL_KILLS = [(sig, phase) for phase in ("launch", "load") for sig in ("SIGINT", 
 
 def test_killed_tuner_resumes_with_nothing_orphaned_or_lost(tmp_path, model):
     # a real `python -m tuner run`, killed six ways, then run again with the same arguments
-    doc = fk.fake_engine_study(model, env={"FAKE_START_DELAY": "2", "FAKE_STREAM_DELAY": "0.05"},
-                               output_tokens=8)
+    # each fault meets its phase for sure: the fake server holds there until the fault is sent
+    # (FAKE_HOLD_DIR), so the launch and request timeouts must outlast any wait for it
+    holds = tmp_path / "holds"
+    doc = fk.fake_engine_study(model, env={"FAKE_HOLD_DIR": str(holds)}, output_tokens=8,
+                               launch_timeout_s=fk.patience(300))
+    doc["workload"]["request_timeout_s"] = fk.patience(300)
     study_file = fk.write_study(tmp_path, doc)
     run = fk.TunerRun(study_file, f"sqlite:///{tmp_path}/s.db", tmp_path / "results", "faults", 3,
-                      str(model), timeout_s=120)
+                      str(model), timeout_s=120, hold_dir=holds)
     figures, final = fk.kill_chain(run, ALL_KILLS, tmp_path)
     for f in figures:
         assert not f.note.startswith("phase not reached"), f
@@ -247,6 +251,7 @@ def test_killed_tuner_resumes_with_nothing_orphaned_or_lost(tmp_path, model):
 # ---------------------------------------------------------------- real vLLM
 
 @pytest.mark.vllm
+@pytest.mark.timeout(1800)   # six real launches: 6.5 min on a busy 2-core box, 12 min at load 8
 def test_real_vllm_killed_tuner_and_killed_server(tmp_path, model):
     """The real CPU build: the tuner SIGINTed while vLLM starts, SIGTERMed and SIGKILLed during
     the load test and SIGKILLed during the launch; the same command run again reaps what the
@@ -265,6 +270,7 @@ def test_real_vllm_killed_tuner_and_killed_server(tmp_path, model):
     figures, final = fk.kill_chain(run, REAL_KILLS, tmp_path, on_final_load=kill_server_mid_load)
     for f in figures:
         assert not f.note.startswith("phase not reached"), f
+        assert f.exit_code == (-9 if f.scenario.startswith("SIGKILL") else 130), f
         assert f.orphans == 0 and f.lost_completed == 0, f
         # SIGKILLed while vLLM starts, the server outlives the tuner and the next run stops it;
         # SIGKILLed mid-load, vLLM 0.32 (CPU) was seen shutting itself down within 0.5 s

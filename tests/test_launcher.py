@@ -370,16 +370,29 @@ except KeyboardInterrupt:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_the_tuner_stops_its_server(tmp_path, sig):
     import subprocess
-    pgid_file = tmp_path / "pgid"
+
+    from faultkit import patience, terminal_signals
+    pgid_file, log = tmp_path / "pgid", tmp_path / "server.log"
     code = TUNER_LIKE.format(repo=str(Path(__file__).parent.parent), python=sys.executable, fake=FAKE_VLLM,
-                             log=str(tmp_path / "server.log"), pgid_file=str(pgid_file))
-    tuner = subprocess.Popen([sys.executable, "-c", code])
-    deadline = time.monotonic() + 30
-    while not (pgid_file.exists() and pgid_file.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    pgid = int(pgid_file.read_text())
-    time.sleep(0.5)
-    assert group_members(pgid)
-    tuner.send_signal(sig)
-    tuner.wait(30)
-    assert group_members(pgid) == []
+                             log=str(log), pgid_file=str(pgid_file))
+    # SIGINT as typed at a terminal, even when these tests run in a background job (SIGINT ignored)
+    tuner = subprocess.Popen([sys.executable, "-c", code], preexec_fn=terminal_signals)
+    pgid = None
+    try:
+        deadline = time.monotonic() + patience(30)
+        # the server is up with its worker forked (it says so once both exist), and the tuner knows its group
+        while not (pgid_file.exists() and pgid_file.read_text() and log.exists()
+                   and "workers started" in log.read_text()) and time.monotonic() < deadline:
+            assert tuner.poll() is None, tuner.returncode
+            time.sleep(0.05)
+        pgid = int(pgid_file.read_text())
+        assert len(group_members(pgid)) >= 2          # the server and its worker
+        tuner.send_signal(sig)
+        assert tuner.wait(patience(30)) == (130 if sig == signal.SIGINT else 128 + sig)
+        assert group_members(pgid) == []
+    finally:  # a failed run leaves neither the tuner nor its stubborn server behind
+        if tuner.poll() is None:
+            tuner.kill()
+            tuner.wait()
+        if pgid is not None and group_members(pgid):
+            os.killpg(pgid, signal.SIGKILL)

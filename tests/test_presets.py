@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from tokenizers import Tokenizer
@@ -18,11 +19,44 @@ def test_tokenizer_vocabulary_equals_vocab_size_and_round_trips(name, tmp_path, 
     config = json.loads((folder / "config.json").read_text())
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     assert tok.get_vocab_size() == config["vocab_size"]
-    ids = [config["vocab_size"] - 1, 1000, 7]
+    if config["model_type"] in presets.BYTE_LEVEL_MODEL_TYPES:
+        ids = [ord("w"), ord("7"), ord(" "), ord("x")]   # each byte is one token, its own id
+    else:
+        ids = [config["vocab_size"] - 1, 1000, 7]
     assert tok.encode(tok.decode(ids)).ids == ids
     assert tok.token_to_id("</s>") == config["eos_token_id"]
     template = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
     assert "messages" in template
+
+
+@pytest.mark.parametrize("name", ["tiny", *sorted(presets.PRESETS)])
+def test_the_tokenizer_the_server_loads_counts_text_as_written(name, tmp_path, monkeypatch):
+    """Loaded as vLLM loads it (transformers' AutoTokenizer picks the class, for qwen2 whatever
+    tokenizer_config.json says), text re-encodes to the tokens it was decoded from, so prompts of
+    an exact length exist. The word-level tokenizer loaded as Qwen2Tokenizer encoded every text to []."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = presets.preset_folder(name)
+    config = json.loads((folder / "config.json").read_text())
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert len(tok) == config["vocab_size"]           # nothing added beyond the model's vocabulary
+    vocab = config["vocab_size"]
+    rng = random.Random(1)
+    ids = [rng.randrange(vocab // 10, vocab) for _ in range(64)]
+    encoded = tok.encode(tok.decode(ids), add_special_tokens=False)
+    assert len(encoded) >= 64
+    cut = encoded[:50]
+    assert tok.encode(tok.decode(cut), add_special_tokens=False) == cut
+    assert tok.eos_token_id == config["eos_token_id"] and tok.bos_token_id == config["bos_token_id"]
+
+
+def test_a_cached_preset_with_an_old_tokenizer_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = presets.preset_folder("qwen2.5-32b")
+    (folder / "tuner-preset.json").unlink()           # as written before the tokenizer scheme changed
+    (folder / "tokenizer.json").write_text("{}")
+    folder = presets.preset_folder("qwen2.5-32b")
+    assert Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size() == 152064
 
 
 def test_embedded_tiny_model_matches_its_generator():

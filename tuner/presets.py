@@ -67,34 +67,84 @@ HF_IDS: dict[str, str] = {
 TINY_CONFIG = _llama(256, 512, 4, 4, 4, 4096, 32768, 1, 2, None)
 
 
-def build_tokenizer_files(config: dict, folder: Path) -> None:
-    """Write an offline-built word-level tokenizer whose vocabulary equals the config's vocab_size.
+# transformers 5 ignores tokenizer_config.json's class for these model types and rebuilds the
+# tokenizer as the family's byte-level BPE from tokenizer.json's vocab and merges (Qwen2Tokenizer
+# for qwen2). A word-level vocabulary rebuilt that way encodes every prompt to no tokens at all
+# (vLLM: "The decoder prompt cannot be empty"), so these get a byte-level BPE built exactly as that
+# class builds one: whichever class loads it, it is the same tokenizer.
+BYTE_LEVEL_MODEL_TYPES = frozenset({"qwen2"})
+QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                           r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Bump when the files written for a preset change, so cached preset folders are rebuilt.
+TOKENIZER_SCHEME = 2
 
-    Token i is the word `w{i}`, except the BOS/EOS/UNK ids and a few chat-template words, so a
-    prompt of N distinct words is exactly N tokens and every sampled id decodes to text.
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte-to-character map in byte order: the 256 base tokens of a byte-level BPE."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def build_tokenizer_files(config: dict, folder: Path) -> None:
+    """Write an offline-built tokenizer whose vocabulary equals the config's vocab_size.
+
+    Word-level (most model types): token i is the word `w{i}`, except the BOS/EOS/UNK ids and a
+    few chat-template words, so a prompt of N distinct words is exactly N tokens and every sampled
+    id decodes to text. Byte-level (BYTE_LEVEL_MODEL_TYPES): ids 0-255 are the 256 bytes and
+    there are no merges, so any text of N bytes is N tokens; the other ids are `w{i}` strings that
+    decode to text (and re-encode to their bytes).
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     vocab_size = int(config["vocab_size"])
     bos, eos = int(config["bos_token_id"]), int(config["eos_token_id"])
-    unk = 0 if 0 not in (bos, eos) else 3
-    special = {bos: "<s>", eos: "</s>", unk: "<unk>"}
-    words = ["user", "assistant", "system", ":"]
-    vocab: dict[str, int] = {}
-    next_word = iter(words)
-    for i in range(vocab_size):
-        if i in special:
-            vocab[special[i]] = i
-        else:
-            vocab[next(next_word, f"w{i}")] = i
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<s>", "</s>", "<unk>"])
+    byte_level = config.get("model_type") in BYTE_LEVEL_MODEL_TYPES
+    names = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if byte_level:
+        base = _byte_alphabet()
+        if min(bos, eos) < len(base) or vocab_size <= len(base) + 2:
+            raise ValueError(f"byte-level preset needs BOS/EOS ids above 255 and a larger vocabulary: {config}")
+        special = {bos: "<s>", eos: "</s>"}
+        vocab = {}
+        for i in range(vocab_size):
+            vocab[special.get(i) or (base[i] if i < len(base) else f"w{i}")] = i
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[], dropout=None, unk_token=None,
+                                   continuing_subword_prefix="", end_of_word_suffix="",
+                                   fuse_unk=False, byte_fallback=False))
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(["<s>", "</s>"])
+        # no unknown token (every byte is a token); pad is EOS, as Qwen's own pad is a vocab token
+        names = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": None, "pad_token": "</s>"}
+    else:
+        unk = 0 if 0 not in (bos, eos) else 3
+        special = {bos: "<s>", eos: "</s>", unk: "<unk>"}
+        words = ["user", "assistant", "system", ":"]
+        vocab = {}
+        next_word = iter(words)
+        for i in range(vocab_size):
+            if i in special:
+                vocab[special[i]] = i
+            else:
+                vocab[next(next_word, f"w{i}")] = i
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.add_special_tokens(["<s>", "</s>", "<unk>"])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast", **names,
         "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
         "model_max_length": int(config["max_position_embeddings"]),
         "chat_template": CHAT_TEMPLATE,
@@ -124,10 +174,16 @@ def preset_folder(name: str) -> Path:
                          + ", ".join(["tiny", *sorted(PRESETS)]))
     folder = cache_dir() / name
     config = PRESETS[name]
-    marker = folder / "config.json"
-    if not marker.exists() or json.loads(marker.read_text()) != config:
+    marker = folder / "tuner-preset.json"    # what wrote the folder: a stale tokenizer is rebuilt too
+    wanted = {"config": config, "tokenizer_scheme": TOKENIZER_SCHEME}
+    try:
+        current = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        current = None
+    if current != wanted:
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         write_model_folder(config, tmp)
+        (tmp / "tuner-preset.json").write_text(json.dumps(wanted) + "\n")
         if folder.exists():
             import shutil
             shutil.rmtree(folder)
