@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from tuner.errors import ConfigError
-from tuner.loadgen import Workload
+from tuner.records import Workload
 
 # Flags the search may tune: TOML key -> (kind, vLLM flag). Kinds: float, int, bool, str.
 TUNABLE = {
@@ -530,7 +530,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     if workload.get("endpoint", "completions") not in ("completions", "chat"):
         raise _fail(source, "workload.endpoint", "must be \"completions\" or \"chat\"")
     wl = replace(Workload(), **workload, **{f"slo_{k}": v for k, v in slo.items()})
-    from tuner.loadgen import closed_levels
+    from tuner.plan import closed_levels
 
     if wl.ttft_level is not None and wl.ttft_level != 1 and wl.ttft_level not in closed_levels(wl):
         raise _fail(source, "workload.ttft_level", f"{wl.ttft_level} is not a load level",

@@ -9,7 +9,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Callable
 
@@ -21,9 +21,8 @@ from optuna.trial import FrozenTrial, TrialState
 from tuner import presets, space
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
-from tuner.launcher import Capacity, LaunchFailure, LaunchSpec
-from tuner.measure import TrialOutcome
-from tuner.metrics import LoadMetrics
+from tuner.records import (Capacity, LaunchFailure, LaunchSpec, LoadMetrics, Platform,  # noqa: F401
+                           TrialOutcome)
 
 OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
 DIRECTIONS = ("maximize", "maximize", "minimize")
@@ -46,18 +45,6 @@ def log(message: str) -> None:
 
 
 # ---------------------------------------------------------------- environment of a study
-
-
-@dataclass(frozen=True)
-class Platform:
-    """Where trials run: the device, its memory and bandwidth, the engine and the vLLM version."""
-
-    kind: str                      # "cuda" | "cpu"
-    device_name: str
-    memory_total_bytes: int
-    bandwidth_gbps: float | None
-    engine: tuple[str, ...]
-    vllm_version: str
 
 
 def detect_platform(cfg: StudyConfig) -> Platform:
