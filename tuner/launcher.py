@@ -265,9 +265,10 @@ def check_engine_cmd(engine_cmd: tuple[str, ...]) -> None:
 
 def build_argv(spec: LaunchSpec, engine_cmd: tuple[str, ...], port: int) -> list[str]:
     """The server's argv. `... serve` takes the model positionally; anything else takes `--model`."""
-    model = [spec.model] if engine_cmd[-1] == "serve" else ["--model", spec.model]
-    return [*engine_cmd, *model, *spec.params.vllm_flags(), *spec.extra_args,
-            "--host", spec.host, "--port", str(port)]
+    from tuner import engines
+
+    return engines.get().argv(engine_cmd, spec.model, spec.params.values(), spec.extra_args,
+                              spec.host, port)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

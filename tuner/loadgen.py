@@ -27,16 +27,9 @@ from tuner.plan import closed_levels, default_levels, load_plan, ttft_level_name
 from tuner.records import Level, PhaseResult, RequestResult, Workload  # noqa: F401,E402
 
 
-# /metrics samples kept per phase. Gauges are combined across label sets (engines) by max, counters by sum.
-SERVER_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_requests_running")
-SERVER_COUNTERS = (
-    "vllm:num_preemptions_total",
-    "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
-    "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
-    "vllm:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
-    "vllm:generation_tokens_total", "vllm:prompt_tokens_total",
-    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-)
+# /metrics samples kept per phase: the engine's names (gauges combined across label sets by max,
+# counters by sum)
+from tuner.engines.vllm import SERVER_COUNTERS, SERVER_GAUGES  # noqa: E402
 _JSON = {"Content-Type": "application/json"}
 _TOKEN_PROBES = (262144, 200000, 151000, 128000, 100000, 64000, 50000, 32000, 16000, 8000, 4000, 2000, 1000)
 
