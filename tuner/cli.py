@@ -110,6 +110,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_flag_options(p: argparse.ArgumentParser) -> None:
+    """One option per row of the engine's flag table, spelled as the engine spells it; the values
+    are checked against the table's ranges later, with the other errors (`checked_config`)."""
+    from tuner import engines
+
+    for f in engines.flags():
+        if f.kind == "bool":
+            p.add_argument(f.cli, dest=f.name, action="store_true", help=f.help or None)
+            continue
+        kind = {"float": float, "int": positive_int if f.low == 1 else int, "str": str}[f.kind]
+        p.add_argument(f.cli, dest=f.name, type=kind, required=f.required, help=f.help or None)
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad command-line values end as one line, like every other error (not usage + error)."""
 
@@ -182,12 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "--max-num-seqs 8\n"
                       "  python -m tuner measure --model preset:llama-3.1-8b "
                       "--gpu-memory-utilization 0.9 --max-model-len 8192 --max-num-seqs 64\n")
-    measure.add_argument("--gpu-memory-utilization", type=float, required=True)
-    measure.add_argument("--max-model-len", type=positive_int, required=True)
-    measure.add_argument("--max-num-seqs", type=positive_int, required=True)
-    measure.add_argument("--max-num-batched-tokens", type=positive_int)
-    measure.add_argument("--enforce-eager", action="store_true")
-    measure.add_argument("--kv-cache-dtype")
+    add_flag_options(measure)
     add_study_options(measure)
 
     doctor = command("doctor", "show what vLLM will be launched and how, the GPUs, and whether "
@@ -312,21 +320,19 @@ def cmd_measure(args) -> int:
     from tuner import gpu
     from tuner.launcher import check_engine_cmd
     from tuner.measure import measure_config
-    from tuner.space import ServerParams, scaled
+    from tuner import engines
+    from tuner.space import params_from, scaled
     from tuner.study import (detect_platform, launch_spec, memory_scale, outcome_dict,
                              resolve_model)
 
-    values = {"gpu_memory_utilization": args.gpu_memory_utilization,
-              "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-              "max_num_batched_tokens": args.max_num_batched_tokens,
-              "kv_cache_dtype": args.kv_cache_dtype}
+    # a bool flag not given is the engine's default (absent), not False
+    values = {f.name: getattr(args, f.name) or None if f.kind == "bool" else getattr(args, f.name)
+              for f in engines.flags()}
     cfg = checked_config(args, values)
     platform = detect_platform(cfg)
     check_engine_cmd(platform.engine)
     model, extra = resolve_model(cfg)
-    params = scaled(ServerParams(args.gpu_memory_utilization, args.max_model_len, args.max_num_seqs,
-                                 args.max_num_batched_tokens, args.enforce_eager or None,
-                                 args.kv_cache_dtype), memory_scale(cfg, platform))
+    params = scaled(params_from(values), memory_scale(cfg, platform))
     if platform.kind == "cuda":
         gpu.check_gpu_free(int(params.gpu_memory_utilization * platform.memory_total_bytes),
                            env=cfg.env)

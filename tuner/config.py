@@ -9,19 +9,13 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from tuner import engines
+from tuner.engines.vllm import KV_CACHE_DTYPES  # noqa: F401  (its home is the engine's table)
 from tuner.errors import ConfigError
-from tuner.loadgen import Workload
+from tuner.records import Workload
 
-# Flags the search may tune: TOML key -> (kind, vLLM flag). Kinds: float, int, bool, str.
-TUNABLE = {
-    "gpu_memory_utilization": "float",
-    "max_model_len": "int",
-    "max_num_seqs": "int",
-    "max_num_batched_tokens": "int",
-    "enforce_eager": "bool",
-    "kv_cache_dtype": "str",
-}
-REQUIRED_DIMS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs")
+# Which flags may be searched, their kinds and ranges: the engine's flag table (tuner.engines).
+_TYPES = {"float": float, "int": int, "bool": bool, "str": str}
 SAMPLERS = ("auto", "gp", "tpe", "random", "grid")
 
 
@@ -134,9 +128,11 @@ def _take(table: dict, allowed: dict, source: str, prefix: str) -> dict:
 
 def _dimension(name: str, spec: dict, source: str) -> Dimension:
     where = f"space.{name}"
-    kind = TUNABLE.get(name)
-    if kind is None:
-        raise _fail(source, where, "not a tunable flag", "tunable: " + ", ".join(TUNABLE))
+    flag = engines.flag(name)
+    if flag is None:
+        raise _fail(source, where, "not a tunable flag",
+                    "tunable: " + ", ".join(f.name for f in engines.flags()))
+    kind = flag.kind
     if not isinstance(spec, dict):
         raise _fail(source, where, "expected a table such as {low = 1, high = 8} or {choices = [...]}")
     num = (int, float) if kind == "float" else int
@@ -179,56 +175,31 @@ def _dimension(name: str, spec: dict, source: str) -> Dimension:
 
 
 def _check_value(name: str, value, source: str, where: str) -> None:
-    """One flag value against what vLLM 0.32 accepts; the message names the value and the range."""
-    if name == "gpu_memory_utilization":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise _fail(source, where, f"gpu_memory_utilization must be in (0, 1], got {value}")
-    elif name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise _fail(source, where, f"{name} must be a positive integer (>= 1), got {value}")
-    elif name == "kv_cache_dtype":
-        if value not in KV_CACHE_DTYPES:
-            raise _fail(source, where, f"kv_cache_dtype {value!r} is not one of vLLM's: "
-                        + ", ".join(KV_CACHE_DTYPES))
-    elif name == "enforce_eager" and not isinstance(value, bool):
-        raise _fail(source, where, f"enforce_eager must be true or false, got {value!r}")
+    """One flag value against the engine's table; the message names the value and the range."""
+    flag = engines.flag(name)
+    problem = flag.problem(value, engines.get().label) if flag is not None else None
+    if problem:
+        raise _fail(source, where, problem)
 
 
-# vLLM 0.32's CacheDType (vllm/config/cache.py); a value outside it fails vLLM's pydantic check
-# only after a 20-40 s start, so it is refused here. A newer vLLM may add names: extend the list.
-KV_CACHE_DTYPES = (
-    "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
-    "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
-    "turboquant_3bit_nc", "ultraquant_4bit", "int4_per_token_head", "int8_per_token_head",
-    "fp8_per_token_head", "nvfp4", "nvfp4_4over6",
-)
-
-# vLLM flag -> (tunable name, parse) for values fixed in [server] extra_args
-_FIXED_FLAGS = {
-    "--gpu-memory-utilization": ("gpu_memory_utilization", float),
-    "--max-model-len": ("max_model_len", int),
-    "--max-num-seqs": ("max_num_seqs", int),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int),
-    "--kv-cache-dtype": ("kv_cache_dtype", str),
-}
+def _cli(name: str) -> str:
+    """How the engine spells a flag of its table."""
+    return engines.flag(name).cli
 
 
 def fixed_flag_values(extra_args, source: str = "") -> dict:
     """Tunable flags the study fixes in `[server] extra_args`, parsed and checked like the space's."""
+    by_cli = {f.cli: f for f in engines.flags() if f.takes_value}
     out: dict = {}
     args = list(extra_args)
     for i, arg in enumerate(args):
-        flag, _, inline = arg.partition("=")
-        if flag not in _FIXED_FLAGS:
+        spelled, _, inline = arg.partition("=")
+        if spelled not in by_cli:
             continue
-        name, parse = _FIXED_FLAGS[flag]
-        text = inline if inline else (args[i + 1] if i + 1 < len(args) else "")
-        try:
-            value = parse(text)
-        except ValueError:
-            value = text
-        _check_value(name, value, source, f"server.extra_args {flag}")
-        out[name] = value
+        flag = by_cli[spelled]
+        value = flag.parse(inline if inline else (args[i + 1] if i + 1 < len(args) else ""))
+        _check_value(flag.name, value, source, f"server.extra_args {spelled}")
+        out[flag.name] = value
     return out
 
 
@@ -248,10 +219,10 @@ def check_flag_values(values: dict, source: str = "command line",
     """Values of one config (`measure`): each in range, then vLLM's rules between them. None = unset."""
     for name, value in values.items():
         if value is not None:
-            _check_value(name, value, source, "--" + name.replace("_", "-"))
+            _check_value(name, value, source, _cli(name))
     merged = {**fixed_flag_values(extra_args, source),
               **{k: v for k, v in values.items() if v is not None}}
-    _check_batched_tokens({k: (v, v, "--" + k.replace("_", "-")) for k, v in merged.items()
+    _check_batched_tokens({k: (v, v, _cli(k)) for k, v in merged.items()
                            if k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")},
                           chunked_prefill_enabled(extra_args), source)
 
@@ -267,7 +238,7 @@ def check_space(cfg: "StudyConfig") -> None:
     off) makes vLLM 0.32 refuse to start. One flag cannot be clipped against another without a
     conditional space, so a space where any combination breaks the rule is refused: change the one
     range the message names."""
-    bounds = {k: (v, v, "server.extra_args --" + k.replace("_", "-"))
+    bounds = {k: (v, v, "server.extra_args " + _cli(k))
               for k, v in fixed_flag_values(cfg.extra_args, cfg.source).items()}
     bounds.update({d.name: (*_bounds(d), f"space.{d.name}") for d in cfg.dimensions
                    if d.name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")})
@@ -397,7 +368,7 @@ def fit_space_to_model(cfg: "StudyConfig", config: dict, tokenizer_config: dict 
     fixed = fixed_flag_values(cfg.extra_args, cfg.source).get("max_model_len")
     if fixed is not None:
         check_max_model_len(fixed, config, tokenizer_config, cfg.source,
-                            "server.extra_args --max-model-len")
+                            "server.extra_args " + _cli("max_model_len"))
     limit, why = model_max_len(config, tokenizer_config)
     if dim is None or limit is None or long_max_model_len_allowed(cfg.env) or _bounds(dim)[1] <= limit:
         return cfg
@@ -502,17 +473,17 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
 
     space = top.get("space", {})
     dims = tuple(_dimension(k, v, source) for k, v in space.items())
-    for needed in REQUIRED_DIMS:
+    required = [f.name for f in engines.flags() if f.required]
+    for needed in required:
         if needed not in space:
-            raise _fail(source, f"space.{needed}", "missing",
-                        "the search needs gpu_memory_utilization, max_model_len and max_num_seqs")
+            raise _fail(source, f"space.{needed}", "missing", "the search needs "
+                        + ", ".join(required[:-1]) + " and " * (len(required) > 1) + required[-1])
 
     baselines = []
     for i, b in enumerate(top.get("baselines", [])):
         if not isinstance(b, dict):
             raise _fail(source, f"baselines[{i}]", "expected a table ([[baselines]])")
-        allowed = {"name": str, **{k: {"float": float, "int": int, "bool": bool, "str": str}[t]
-                                   for k, t in TUNABLE.items()}}
+        allowed = {"name": str, **{f.name: _TYPES[f.kind] for f in engines.flags()}}
         b = _take(b, allowed, source, f"baselines[{i}]")
         for key, value in b.items():
             if key != "name":
@@ -530,7 +501,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     if workload.get("endpoint", "completions") not in ("completions", "chat"):
         raise _fail(source, "workload.endpoint", "must be \"completions\" or \"chat\"")
     wl = replace(Workload(), **workload, **{f"slo_{k}": v for k, v in slo.items()})
-    from tuner.loadgen import closed_levels
+    from tuner.plan import closed_levels
 
     if wl.ttft_level is not None and wl.ttft_level != 1 and wl.ttft_level not in closed_levels(wl):
         raise _fail(source, "workload.ttft_level", f"{wl.ttft_level} is not a load level",

@@ -10,7 +10,7 @@ from pathlib import PurePath
 
 import pandas as pd
 
-from tuner import presets, space
+from tuner import engines, presets, space
 from tuner.report import MAXIMIZE, OBJECTIVES
 
 PREFERENCES = ("balanced", "throughput", "single-stream", "ttft")
@@ -82,15 +82,10 @@ def _attr(row: pd.Series, key: str):
 def launch_params(row: pd.Series) -> space.ServerParams:
     """The params for the target card. Under a memory budget that is the searched share (the
     trial param): on a card of the budget's size it is the --gpu-memory-utilization to pass."""
-    values = {k: row[k] for k in space.ServerParams.__dataclass_fields__
-              if k in row.index and pd.notna(row[k])}
-    for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-        if k in values:
-            values[k] = int(values[k])
-    if "gpu_memory_utilization" in values:
-        values["gpu_memory_utilization"] = float(values["gpu_memory_utilization"])
-    if "enforce_eager" in values:
-        values["enforce_eager"] = bool(values["enforce_eager"])
+    # CSV and DataFrame columns hold numpy scalars and floats for ints: back to each flag's kind
+    cast = {"float": float, "int": int, "bool": bool, "str": str}
+    values = {f.name: cast[f.kind](row[f.name]) for f in engines.flags()
+              if f.name in row.index and pd.notna(row[f.name])}
     return space.params_from(values)
 
 
@@ -285,7 +280,7 @@ def command(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False) -> s
 
 def params_dict(row: pd.Series) -> dict:
     p = launch_params(row)
-    out = {k: v for k, v in p.__dict__.items() if v is not None}
+    out = p.values()
     out["trial"] = int(row["trial"])
     for k in ("memory_budget_gib", "launch_gpu_memory_utilization", "gpu_name"):
         if budget_note(row) is not None and _attr(row, k) is not None:

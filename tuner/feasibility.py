@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tuner.errors import TunerError
-from tuner.launcher import Capacity, LaunchFailure
+from tuner.records import Capacity, LaunchFailure
 from tuner.space import ServerParams
 
 GIB = 1 << 30

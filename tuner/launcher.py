@@ -16,65 +16,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tuner.errors import TunerError
-from tuner.space import ServerParams
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """Everything needed to start one vLLM server."""
-
-    model: str                         # model folder or HF id
-    params: ServerParams               # tuned flags
-    extra_args: tuple[str, ...] = ()   # fixed flags from the study, already split (argv items)
-    engine_cmd: tuple[str, ...] = ()   # () = default: `vllm serve` when that works, else python -m api_server
-    host: str = "127.0.0.1"
-    port: int = 0                      # 0 = a free port from the OS
-    # extra environment for the server; kept out of repr because it may hold VLLM_API_KEY
-    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
-    launch_timeout_s: float = 600.0
-    log_path: str = ""                 # where the full server log is written ("" = a temp file)
-    stop_timeout_s: float = 30.0       # SIGTERM grace before SIGKILL of the whole group
-
-
-@dataclass(frozen=True)
-class LaunchFailure:
-    """A launch that did not become ready, classified from vLLM's own messages."""
-
-    kind: str      # oom | kv_cache_too_small | no_cache_blocks | insufficient_free_memory | cpu_offload
-                   # | startup_timeout | port_in_use | crashed
-    message: str   # the line that decided the kind
-    needed_gib: float | None = None
-    available_gib: float | None = None
-    estimated_max_model_len: int | None = None
-    exit_code: int | None = None
-    log_tail: str = ""
-    verdict_s: float = 0.0  # seconds from start to verdict
-
-    @property
-    def is_memory(self) -> bool:
-        return self.kind in MEMORY_FAILURES
-
-
-MEMORY_FAILURES = frozenset({"oom", "kv_cache_too_small", "no_cache_blocks",
-                             "insufficient_free_memory", "cpu_offload"})
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """Capacity facts vLLM logs (and /metrics exposes) once a server is ready."""
-
-    weights_gib: float | None = None
-    kv_cache_gib: float | None = None
-    kv_cache_tokens: int | None = None
-    max_concurrency: float | None = None   # at max-model-len
-    num_gpu_blocks: int | None = None
-    block_size: int | None = None
-    ready_s: float = 0.0
-    cache_config: tuple[tuple[str, str], ...] = ()   # labels of vllm:cache_config_info
+# the records moved to tuner.records; importers of tuner.launcher still find them here
+from tuner.records import MEMORY_FAILURES, Capacity, LaunchFailure, LaunchSpec  # noqa: F401
 
 
 class EngineNotFound(TunerError):
@@ -318,9 +265,10 @@ def check_engine_cmd(engine_cmd: tuple[str, ...]) -> None:
 
 def build_argv(spec: LaunchSpec, engine_cmd: tuple[str, ...], port: int) -> list[str]:
     """The server's argv. `... serve` takes the model positionally; anything else takes `--model`."""
-    model = [spec.model] if engine_cmd[-1] == "serve" else ["--model", spec.model]
-    return [*engine_cmd, *model, *spec.params.vllm_flags(), *spec.extra_args,
-            "--host", spec.host, "--port", str(port)]
+    from tuner import engines
+
+    return engines.get().argv(engine_cmd, spec.model, spec.params.values(), spec.extra_args,
+                              spec.host, port)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

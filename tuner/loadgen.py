@@ -9,7 +9,6 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -25,142 +24,14 @@ try:  # also a vLLM dependency; its event loop roughly halves the client's CPU p
 except ImportError:  # pragma: no cover
     uvloop = None
 
-
-@dataclass(frozen=True)
-class Workload:
-    """What the load test sends, the same for every config; read from the study file's [workload] table.
-
-    The load levels: concurrency 1 (single-stream speed), then closed-loop concurrency `levels`
-    (default: a ladder of powers of 4 up to `max_concurrency`), then open-loop Poisson
-    `request_rates`. Every config meets exactly these levels, whatever its own flags.
-    """
-
-    prompt_tokens: int = 128
-    output_tokens: int = 128
-    warmup_requests: int = 2
-    single_stream_requests: int = 8      # requests at concurrency 1
-    levels: tuple[int, ...] = ()         # closed-loop concurrency levels above 1; () = ladder to max_concurrency
-    request_rates: tuple[float, ...] = ()  # open-loop Poisson levels, requests/s
-    ttft_level: int | None = None        # the level whose TTFT p50 is the objective; None = the top level
-    waves: int = 4                       # a closed-loop level sends at least waves x concurrency requests ...
-    throughput_requests: int = 32        # ... and at least this many (a rate level sends this many)
-    max_concurrency: int = 64            # top of the default ladder
-    concurrency: int | None = None       # old spelling of levels = [concurrency]
-    request_rate: float | None = None    # old spelling of request_rates = [request_rate]
-    request_timeout_s: float = 300.0
-    endpoint: str = "completions"        # "completions" | "chat"
-    max_failed_share: float = 0.05       # above this a level marks the trial load_test_failed
-    # SLOs (ms, on p90): goodput counts requests meeting them; throughput is taken at the highest
-    # level that meets them when any is set. None = no SLO on that metric
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
-    slo_e2e_ms: float | None = None
-    seed: int = 0                        # prompts and Poisson arrivals
-    # How often /metrics is sampled during a level for gauge peaks (KV usage, queue); None = only
-    # before and after. Off by default: vLLM renders /metrics in the API server process that streams
-    # every response, and on an H200 (8B shape, c=256) a sample every 2 s cost throughput and TPOT.
-    metrics_poll_s: float | None = None
+# the records and the load plan moved out (tuner.records, tuner.plan); importers still find them here
+from tuner.plan import closed_levels, default_levels, load_plan, ttft_level_name  # noqa: F401,E402
+from tuner.records import Level, PhaseResult, RequestResult, Workload  # noqa: F401,E402
 
 
-@dataclass(frozen=True)
-class Level:
-    """One load level of the workload: a phase of the load test."""
-
-    name: str                            # "single_stream" | "c16" | "r2.5"
-    concurrency: int                     # closed loop: requests in flight; open loop: the client's cap
-    requests: int
-    request_rate: float | None = None    # open loop (Poisson arrivals), None for closed loop
-
-
-def default_levels(max_concurrency: int) -> tuple[int, ...]:
-    """4, 16, 64, ... below the cap, then the cap itself: the closed-loop ladder above 1."""
-    out, c = [], 4
-    while c < max_concurrency:
-        out.append(c)
-        c *= 4
-    if max_concurrency > 1:
-        out.append(max_concurrency)
-    return tuple(out)
-
-
-def closed_levels(w: Workload) -> tuple[int, ...]:
-    if w.levels:
-        chosen = w.levels
-    elif w.concurrency is not None:
-        chosen = (w.concurrency,)
-    else:
-        chosen = default_levels(w.max_concurrency)
-    return tuple(sorted({c for c in chosen if c > 1}))
-
-
-def load_plan(w: Workload) -> tuple[Level, ...]:
-    """The levels every config is measured at, in order (warm-up not included)."""
-    plan = []
-    if w.single_stream_requests > 0:
-        plan.append(Level("single_stream", 1, w.single_stream_requests))
-    for c in closed_levels(w):
-        plan.append(Level(f"c{c}", c, max(w.waves * c, w.throughput_requests)))
-    rates = tuple(w.request_rates) or ((w.request_rate,) if w.request_rate else ())
-    cap = max(256, 4 * max(closed_levels(w) or (w.max_concurrency,)))
-    for r in sorted(set(rates)):
-        plan.append(Level(f"r{r:g}", cap, w.throughput_requests, r))
-    return tuple(plan)
-
-
-def ttft_level_name(w: Workload) -> str:
-    """The phase whose TTFT is the objective: `ttft_level`, else the top closed-loop level."""
-    plan = [lv for lv in load_plan(w) if lv.request_rate is None]
-    if w.ttft_level is not None:
-        for lv in plan:
-            if lv.concurrency == w.ttft_level:
-                return lv.name
-    return plan[-1].name if plan else ""
-
-
-@dataclass(frozen=True)
-class RequestResult:
-    """One request's outcome. Never an exception: failures are ok=False with a classified error.
-
-    Failed requests keep what was measured before the failure (partial ttft/itl/latency).
-    latency_s ends at the last content chunk, so latency_s - ttft_s == sum(itl_s).
-    """
-
-    ok: bool
-    status: int | None = None         # HTTP status, None if no response
-    error_kind: str = ""              # "" | http_error | connection | disconnected | timeout | bad_stream
-    #                                   | server_error | truncated | no_usage | no_content | other
-    error: str = ""                   # exception class and message, short
-    prompt_tokens: int = 0            # from usage
-    output_tokens: int = 0            # from usage
-    start_s: float = 0.0              # request start, relative to the phase start
-    ttft_s: float | None = None       # request start to first content
-    itl_s: tuple[float, ...] = ()     # gaps between content chunks
-    latency_s: float = 0.0            # request start to the last content chunk
-    queued_s: float = 0.0             # open loop: scheduled arrival to send (counted in ttft/latency)
-
-
-@dataclass(frozen=True)
-class PhaseResult:
-    name: str                         # "warmup" | "single_stream" | "throughput"
-    concurrency: int
-    wall_s: float
-    requests: tuple[RequestResult, ...]
-    server_metrics_before: tuple[tuple[str, float], ...] = ()   # selected /metrics samples
-    server_metrics_after: tuple[tuple[str, float], ...] = ()
-    server_metrics_peak: tuple[tuple[str, float], ...] = ()     # highest value of each gauge while it ran
-    request_rate: float | None = None                            # open-loop rate, None for closed loop
-
-
-# /metrics samples kept per phase. Gauges are combined across label sets (engines) by max, counters by sum.
-SERVER_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_requests_running")
-SERVER_COUNTERS = (
-    "vllm:num_preemptions_total",
-    "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
-    "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
-    "vllm:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
-    "vllm:generation_tokens_total", "vllm:prompt_tokens_total",
-    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-)
+# /metrics samples kept per phase: the engine's names (gauges combined across label sets by max,
+# counters by sum)
+from tuner.engines.vllm import SERVER_COUNTERS, SERVER_GAUGES  # noqa: E402
 _JSON = {"Content-Type": "application/json"}
 
 

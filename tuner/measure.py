@@ -3,37 +3,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from tuner.launcher import Capacity, LaunchFailure, LaunchSpec, ServerProcess
-from tuner.loadgen import Workload, run_load_test
-from tuner.metrics import LoadMetrics, summarize
-from tuner.space import ServerParams
-
-
-@dataclass(frozen=True)
-class TrialOutcome:
-    """What launching and load-testing one config produced. Exactly one of failure/metrics decides."""
-
-    params: ServerParams                 # as launched (after any memory-budget scaling)
-    argv: tuple[str, ...] = ()
-    log_path: str = ""
-    failure: LaunchFailure | None = None
-    capacity: Capacity | None = None
-    metrics: LoadMetrics | None = None
-    launch_s: float = 0.0
-    load_s: float = 0.0
-    peak_gpu_memory_bytes: int | None = None     # used on the server's GPU (everyone's)
-    peak_gpu_server_bytes: int | None = None     # of it, held by the server's process group
-    peak_gpu_stranger_bytes: int | None = None   # of it, held by other processes
-
-    @property
-    def failure_kind(self) -> str:
-        if self.failure is not None:
-            return self.failure.kind
-        if self.metrics is not None and self.metrics.load_test_failed:
-            return "load_test_failed"
-        return ""
+from tuner.launcher import ServerProcess
+from tuner.loadgen import run_load_test
+from tuner.metrics import summarize
+from tuner.records import LaunchFailure, LaunchSpec, TrialOutcome, Workload  # noqa: F401
 
 
 # A port taken between the OS handing it out and vLLM binding it is a race, not a fact about the config.

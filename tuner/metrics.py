@@ -4,110 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
-@dataclass(frozen=True)
-class LevelMetrics:
-    """One load level of one launch: the point of the config's throughput-latency curve."""
-
-    name: str                              # "single_stream" | "c16" | "r2.5"
-    concurrency: int
-    request_rate: float | None = None
-    requests: int = 0
-    failed: int = 0
-    output_tokens: int = 0                 # successful requests, from usage
-    wall_s: float = 0.0                    # first request sent to last stream ended
-    window_start_s: float | None = None    # the steady-state window (relative to the level's start)
-    window_end_s: float | None = None
-    steady: bool = False                   # False: too short for a steady state, whole-phase rate used
-    throughput_tok_s: float | None = None  # output tok/s in the steady-state window
-    throughput_tok_s_wall: float | None = None  # output tokens / wall_s (ramp-up and drain included)
-    requests_per_s: float | None = None
-    goodput_req_s: float | None = None
-    meets_slos: bool | None = None         # p90 TTFT/TPOT/E2E within the workload's SLOs (None: none set)
-    decode_tok_s: float | None = None      # median per-request (output - 1) / (latency - ttft)
-    ttft_ms: float | None = None           # p50, from request start (open loop: scheduled arrival)
-    ttft_ms_p90: float | None = None
-    ttft_ms_p99: float | None = None
-    ttft_ms_mean: float | None = None
-    tpot_ms: float | None = None
-    tpot_ms_p90: float | None = None
-    itl_ms: float | None = None
-    itl_ms_p90: float | None = None
-    e2e_ms: float | None = None
-    e2e_ms_p90: float | None = None
-    preemptions: float | None = None
-    kv_cache_usage_max: float | None = None
-    num_requests_waiting_max: float | None = None
-    server_ttft_ms_mean: float | None = None
-    failure: str = ""                      # "" or why the level failed (share of failed requests)
-
-
-@dataclass(frozen=True)
-class LoadMetrics:
-    """Everything a trial's load test measured, flat, ready for Optuna user attrs and CSV columns.
-
-    Every config meets the same levels (the workload's, never its own flags). Definitions (client
-    clock, warm-up excluded, tokens from `usage`):
-
-    - `single_stream_tok_s`: at concurrency 1, median over requests of the decode rate
-      (output_tokens - 1) / (latency - ttft). Spread: IQR of those per-request rates.
-    - `throughput_tok_s`: steady-state output tok/s at the throughput level: the top closed-loop
-      level, or with SLOs set the highest level whose p90s meet them (goodput); 0 when none does.
-      Steady state: the window from the first completed request (ramp-up over) to the last request
-      sent (drain starts), output tokens of content chunks arriving in it over its length.
-    - `ttft_ms`: p50 TTFT at the workload's TTFT level (`ttft_level`, else the top level), from
-      request start, so time queued in the server counts; open loop from the scheduled arrival.
-    - The TPOT/ITL/E2E percentiles, preemptions, KV usage and server cross-checks are those of the
-      throughput level; `levels` holds every level's figures (the config's curve).
-    - `error_rate`: failed / sent over every measured level.
-    """
-
-    single_stream_tok_s: float | None = None
-    single_stream_tok_s_spread: float | None = None
-    throughput_tok_s: float | None = None
-    throughput_tok_s_wall: float | None = None
-    ttft_ms: float | None = None          # p50 at the TTFT level
-    ttft_ms_spread: float | None = None
-    ttft_ms_p90: float | None = None
-    ttft_ms_p99: float | None = None
-    ttft_ms_mean: float | None = None
-    single_stream_ttft_ms: float | None = None
-    single_stream_source: str = ""        # "client" | "server_itl" (streams came in one read)
-    tpot_ms: float | None = None          # p50
-    tpot_ms_p90: float | None = None
-    tpot_ms_p99: float | None = None
-    tpot_ms_mean: float | None = None
-    itl_ms: float | None = None           # p50
-    itl_ms_p90: float | None = None
-    itl_ms_p99: float | None = None
-    itl_ms_mean: float | None = None
-    e2e_ms: float | None = None           # p50
-    e2e_ms_mean: float | None = None
-    e2e_ms_p90: float | None = None
-    e2e_ms_p99: float | None = None
-    requests_per_s: float | None = None
-    goodput_req_s: float | None = None
-    error_rate: float = 0.0
-    concurrency: int | None = None        # the throughput level's concurrency
-    throughput_level: str = ""
-    ttft_level: str = ""
-    steady: bool | None = None            # the throughput level had a steady-state window
-    window_start_s: float | None = None
-    window_end_s: float | None = None
-    preemptions: float | None = None      # vllm:num_preemptions_total delta over every level
-    kv_cache_usage_max: float | None = None
-    load_test_failed: str = ""            # "" or the reason a level failed
-    requests_sent: int = 0                # every measured level
-    requests_failed: int = 0
-    output_tokens_total: int = 0          # throughput level, from usage
-    throughput_wall_s: float | None = None
-    num_requests_waiting_max: float | None = None
-    server_ttft_ms_mean: float | None = None
-    server_itl_ms_mean: float | None = None
-    error_kinds: str = ""                 # e.g. "timeout:3,http_error:1" over all phases
-    top_error: str = ""                   # the most common error of failed requests, one line
-    levels: tuple[LevelMetrics, ...] = ()
+from tuner.records import LevelMetrics, LoadMetrics  # noqa: F401  (moved; still importable here)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -364,7 +262,7 @@ def summarize(phases, workload) -> LoadMetrics:
     if slo_set:
         meeting = [lv for lv in levels if lv.request_rate is None and lv.meets_slos]
         thr_level = max(meeting, key=lambda lv: lv.concurrency) if meeting else None
-    from tuner.loadgen import ttft_level_name
+    from tuner.plan import ttft_level_name
 
     wanted = ttft_level_name(workload)
     ttft_lv = next((lv for lv in levels if lv.name == wanted), top)

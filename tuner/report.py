@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from tuner import engines
 from tuner.config import StudyConfig
 
 OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
@@ -14,10 +15,20 @@ MAXIMIZE = {"single_stream_tok_s": True, "throughput_tok_s": True, "ttft_ms": Fa
 LABELS = {"single_stream_tok_s": "single-stream speed (tok/s, concurrency 1)",
           "throughput_tok_s": "throughput (steady-state output tok/s, top level)",
           "ttft_ms": "TTFT p50 at the TTFT level (ms)"}
-PARAMS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-          "enforce_eager", "kv_cache_dtype")
-FIRST_COLUMNS = ["trial", "state", "failure", *PARAMS, *OBJECTIVES, "pareto", "feasible",
-                 "baseline"]
+
+
+def param_columns() -> tuple[str, ...]:
+    """The flag columns: the engine's flag table, in its order."""
+    return tuple(f.name for f in engines.flags())
+
+
+def first_columns() -> list[str]:
+    return ["trial", "state", "failure", *param_columns(), *OBJECTIVES, "pareto", "feasible",
+            "baseline"]
+
+
+PARAMS = param_columns()
+FIRST_COLUMNS = first_columns()
 SKIPPED = ("duplicate",)
 
 
@@ -77,7 +88,8 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
                     groups[k].append(values)
         rows.append(row)
     df = pd.DataFrame(rows)
-    for col in FIRST_COLUMNS:
+    first = first_columns()
+    for col in first:
         if col not in df.columns:
             df[col] = pd.NA if col not in ("pareto", "feasible") else False
     df["failure"] = df["failure"].fillna("")
@@ -87,8 +99,8 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
     noise = noise_estimate(groups)
     df["pareto"] = pareto_mask(df, tie_tolerance, noise) if len(df) else []
     df["strict_pareto"] = pareto_mask(df, 0.0, None) if len(df) else []
-    rest = [c for c in df.columns if c not in FIRST_COLUMNS]
-    df = df[FIRST_COLUMNS + rest].sort_values("trial").reset_index(drop=True)
+    rest = [c for c in df.columns if c not in first]
+    df = df[first + rest].sort_values("trial").reset_index(drop=True)
     df.attrs["noise"] = noise
     return df
 

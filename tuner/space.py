@@ -1,13 +1,19 @@
-"""The search space: ranges of each vLLM flag, and `ServerParams`, one point of it."""
+"""The search space: `ServerParams`, one point of it, drawn from the study's dimensions."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tuner import engines
+
 
 @dataclass(frozen=True)
 class ServerParams:
-    """One candidate set of tuned vLLM flags. None means "leave vLLM's default"."""
+    """One candidate set of tuned flags. None means "leave the engine's default".
+
+    The named fields are the flags the memory model reasons about; any other row of the engine's
+    flag table rides in `extra` (sorted (name, value) pairs), so adding a flag is one table row.
+    """
 
     gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
@@ -15,23 +21,25 @@ class ServerParams:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool | None = None
     kv_cache_dtype: str | None = None
+    extra: tuple[tuple[str, object], ...] = ()
+
+    def value(self, name: str):
+        """The value of one flag of the table (None when unset)."""
+        if name in _FIELDS:
+            return getattr(self, name)
+        return dict(self.extra).get(name)
+
+    def values(self) -> dict:
+        """Every set flag by name, in the table's order."""
+        return {f.name: self.value(f.name) for f in engines.flags()
+                if self.value(f.name) is not None}
 
     def vllm_flags(self) -> list[str]:
-        """The flags as `vllm serve` spells them, in a fixed order; defaults are omitted."""
-        flags: list[str] = []
-        if self.gpu_memory_utilization is not None:
-            flags += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}"]
-        if self.max_model_len is not None:
-            flags += ["--max-model-len", str(self.max_model_len)]
-        if self.max_num_seqs is not None:
-            flags += ["--max-num-seqs", str(self.max_num_seqs)]
-        if self.max_num_batched_tokens is not None:
-            flags += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
-        if self.enforce_eager:
-            flags += ["--enforce-eager"]
-        if self.kv_cache_dtype is not None:
-            flags += ["--kv-cache-dtype", self.kv_cache_dtype]
-        return flags
+        """The flags as the engine spells them, in the table's order; defaults are omitted."""
+        return engines.flag_argv(engines.flags(), self.values())
+
+
+_FIELDS = frozenset(f for f in ServerParams.__dataclass_fields__ if f != "extra")
 
 
 def suggest(trial, dimensions) -> ServerParams:
@@ -49,9 +57,12 @@ def suggest(trial, dimensions) -> ServerParams:
 
 
 def params_from(values: dict) -> ServerParams:
-    """ServerParams from a dict of flag values keyed by field name (unknown keys ignored)."""
-    known = ServerParams.__dataclass_fields__
-    return ServerParams(**{k: v for k, v in values.items() if k in known})
+    """ServerParams from a dict of flag values keyed by flag name (names not in the table ignored)."""
+    table = {f.name for f in engines.flags()}
+    named = {k: v for k, v in values.items() if k in _FIELDS}
+    extra = tuple(sorted((k, v) for k, v in values.items()
+                         if k in table and k not in _FIELDS and v is not None))
+    return ServerParams(**named, extra=extra)
 
 
 def scaled(params: ServerParams, memory_scale: float | None) -> ServerParams:

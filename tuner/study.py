@@ -9,7 +9,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Callable
 
@@ -18,12 +18,11 @@ import optuna
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner import presets, space
+from tuner import engines, presets, space
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
-from tuner.launcher import Capacity, LaunchFailure, LaunchSpec
-from tuner.measure import TrialOutcome
-from tuner.metrics import LoadMetrics
+from tuner.records import (Capacity, LaunchFailure, LaunchSpec, LoadMetrics, Platform,  # noqa: F401
+                           TrialOutcome)
 
 OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
 DIRECTIONS = ("maximize", "maximize", "minimize")
@@ -46,18 +45,6 @@ def log(message: str) -> None:
 
 
 # ---------------------------------------------------------------- environment of a study
-
-
-@dataclass(frozen=True)
-class Platform:
-    """Where trials run: the device, its memory and bandwidth, the engine and the vLLM version."""
-
-    kind: str                      # "cuda" | "cpu"
-    device_name: str
-    memory_total_bytes: int
-    bandwidth_gbps: float | None
-    engine: tuple[str, ...]
-    vllm_version: str
 
 
 def detect_platform(cfg: StudyConfig) -> Platform:
@@ -334,14 +321,12 @@ class Tuner:
     def _memory_model(self):
         if not self.cfg.use_memory_model or not os.path.isdir(self.model):
             return None
-        from tuner import feasibility
-
         try:
-            shape = feasibility.model_shape(self.model)
+            return engines.get().memory_model(self.model, self.platform.memory_total_bytes,
+                                              self.platform.kind)
         except (OSError, ValueError, KeyError) as e:
             log(f"memory model off: cannot read the model's shape ({e})")
             return None
-        return feasibility.MemoryModel(shape, self.platform.memory_total_bytes, self.platform.kind)
 
     def open(self) -> optuna.Study:
         self.cfg.results_path.mkdir(parents=True, exist_ok=True)
@@ -367,12 +352,11 @@ class Tuner:
         read = None
         if self.measure_is_real and vllm_defaults.engine_python(self.platform.engine):
             log("reading vLLM's own defaults for this model and device (no launch) ...")
-            read = vllm_defaults.read_defaults(self.platform.engine, self.model, fixed,
+            read = engines.get().read_defaults(self.platform.engine, self.model, fixed,
                                                env=dict(self.cfg.env))
         if read is not None:
             return read, f"read from vLLM {read.get('vllm_version', '')} on this device"
-        defaults = {"gpu_memory_utilization": 0.92, "max_model_len": None, "max_num_seqs": 256,
-                    "max_num_batched_tokens": 8192, "enforce_eager": False, "kv_cache_dtype": "auto"}
+        defaults = {f.name: f.default for f in engines.flags()}
         if self.memory_model is not None:  # what this vLLM picks on this device, model and flags
             r = self.memory_model.resolve(space.ServerParams())
             defaults.update(max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
@@ -386,11 +370,9 @@ class Tuner:
         """vLLM's defaults and the hand-tuned config, snapped into the space, then the study's own:
         (name, params, user attrs saying where the values came from and what was snapped)."""
         defaults, source = self.vllm_defaults()
+        hand_tuned = {f.name: f.hand_tuned for f in engines.flags() if f.hand_tuned is not None}
         builtin = [("vllm-defaults", defaults, source),
-                   ("hand-tuned", {"gpu_memory_utilization": 0.92, "max_model_len": 4096,
-                                   "max_num_seqs": 8, "max_num_batched_tokens": 8192,
-                                   "enforce_eager": False, "kv_cache_dtype": "auto"},
-                    "the hand-tuned 0.92 / 4096 / 8 of a V100 story")]
+                   ("hand-tuned", hand_tuned, "the hand-tuned 0.92 / 4096 / 8 of a V100 story")]
         builtin += [(b.name, dict(b.values), "the study file") for b in self.cfg.baselines]
         out, seen = [], set()
         for name, values, origin in builtin:
@@ -703,18 +685,20 @@ class Tuner:
 
     def known_infeasible(self, study: optuna.Study, params: space.ServerParams) -> FrozenTrial | None:
         """An earlier launch that failed for KV memory with at least this much memory and at most
-        this context (other memory-relevant flags equal): then this config cannot fit either."""
+        this context (the other memory-relevant flags of the table equal): then this config cannot
+        fit either. No cache blocks at all fails whatever the context."""
+        flags = [f for f in engines.flags() if f.memory]
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             kind = t.user_attrs.get("failure")
             if kind not in ("kv_cache_too_small", "no_cache_blocks"):
                 continue
             failed = space.params_from(t.params)
-            if (failed.enforce_eager, failed.kv_cache_dtype, failed.max_num_batched_tokens) != (
-                    params.enforce_eager, params.kv_cache_dtype, params.max_num_batched_tokens):
+            if any(failed.value(f.name) != params.value(f.name) for f in flags if f.memory == "equal"):
                 continue
-            if params.gpu_memory_utilization > failed.gpu_memory_utilization:
+            if any(params.value(f.name) > failed.value(f.name) for f in flags if f.memory == "supply"):
                 continue
-            if kind == "no_cache_blocks" or params.max_model_len >= failed.max_model_len:
+            if kind == "no_cache_blocks" or all(params.value(f.name) >= failed.value(f.name)
+                                                for f in flags if f.memory == "demand"):
                 return t
         return None
 
@@ -761,7 +745,7 @@ def outcome_dict(outcome: TrialOutcome) -> dict:
     out = {"failure": outcome.failure_kind, "command": shlex.join(outcome.argv),
            "log_path": outcome.log_path, "launch_s": round(outcome.launch_s, 2),
            "load_s": round(outcome.load_s, 2)}
-    out.update({k: v for k, v in asdict(outcome.params).items() if v is not None})
+    out.update(outcome.params.values())
     for part in (outcome.failure, outcome.capacity, outcome.metrics):
         if part is not None:
             out.update({k: v for k, v in asdict(part).items() if k not in out and v is not None})

@@ -17,8 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# Run by the engine's own Python with vLLM's CLI flags as argv; FIELDS (inserted by `probe_script`)
+# maps each flag of the table to where vLLM's resolved engine config holds its value.
 PROBE = r"""
-import json, sys
+import json, operator, sys
 try:
     from vllm.entrypoints.openai.cli_args import make_arg_parser
 except ImportError:
@@ -33,15 +35,24 @@ import vllm
 args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
 cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config(
     usage_context=UsageContext.OPENAI_API_SERVER)
-print("TUNER-DEFAULTS " + json.dumps({
-    "gpu_memory_utilization": cfg.cache_config.gpu_memory_utilization,
-    "max_model_len": cfg.model_config.max_model_len,
-    "max_num_seqs": cfg.scheduler_config.max_num_seqs,
-    "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
-    "kv_cache_dtype": cfg.cache_config.cache_dtype,
-    "enforce_eager": bool(cfg.model_config.enforce_eager),
-    "vllm_version": vllm.__version__}))
+FIELDS = json.loads(__FIELDS__)
+found = {}
+for name, (path, kind) in FIELDS.items():
+    value = operator.attrgetter(path)(cfg)
+    found[name] = bool(value) if kind == "bool" else value
+print("TUNER-DEFAULTS " + json.dumps({**found, "vllm_version": vllm.__version__}))
 """
+
+
+def probe_fields() -> dict[str, tuple[str, str]]:
+    """Flag name -> (attribute path in vLLM's engine config, kind), from the flag table."""
+    from tuner import engines
+
+    return {f.name: (f.read_default, f.kind) for f in engines.flags("vllm") if f.read_default}
+
+
+def probe_script() -> str:
+    return PROBE.replace("__FIELDS__", repr(json.dumps(probe_fields())))
 
 
 def engine_python(engine: tuple[str, ...]) -> str | None:
@@ -82,9 +93,10 @@ def read_defaults(engine: tuple[str, ...], model: str, extra_args: tuple[str, ..
         cached = json.loads(cache.read_text())
     except (OSError, ValueError):
         cached = {}
-    if key in cached:
+    # an entry from before a flag was added to the table lacks it: ask vLLM again
+    if key in cached and all(name in cached[key] for name in probe_fields()):
         return cached[key]
-    argv = [python, "-c", PROBE, "--model", model, *extra_args]
+    argv = [python, "-c", probe_script(), "--model", model, *extra_args]
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
                            env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)

@@ -1,0 +1,131 @@
+"""What an engine tells the tuner: its flag table, the argv of a config, readiness, log verdicts, capacity, metric names, defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+KINDS = ("float", "int", "bool", "str")
+_PARSE = {"float": float, "int": int, "str": str}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One searchable flag: adding a flag to the tuner is adding one of these to an engine's table.
+
+    The name is the TOML key ([space], [[baselines]]), the ServerParams value and the CSV column.
+    """
+
+    name: str                      # e.g. "max_num_seqs"
+    kind: str                      # float | int | bool | str
+    cli: str                       # the engine's spelling, e.g. "--max-num-seqs"
+    default: object = None         # the engine's value when the flag is absent (assumed when it cannot be
+    #                                asked; None = it depends on the model)
+    read_default: str = ""         # where the engine's resolved config holds its default ("" = not read)
+    # How the flag moves what fits in memory, for "an earlier launch already failed for memory":
+    #   "supply": more of it gives the KV cache more memory (a failure at a higher value rules this out)
+    #   "demand": more of it needs more KV cache per request (a failure at a lower value rules this out)
+    #   "equal":  it changes what fits, in no order: only failures with the same value say anything
+    #   "":       it does not change whether one request fits
+    memory: str = ""
+    low: float | None = None       # allowed range (None = unbounded on that side)
+    high: float | None = None
+    low_open: bool = False         # low itself is refused: (low, high]
+    choices: tuple = ()            # allowed values of a str flag
+    required: bool = False         # every study searches it
+    hand_tuned: object = None      # the hand-tuned baseline's value
+    help: str = ""
+
+    @property
+    def takes_value(self) -> bool:
+        """A bool flag is present or absent (`--enforce-eager`); every other flag takes a value."""
+        return self.kind != "bool"
+
+    def parse(self, text: str):
+        """The value of `--flag TEXT`; the text itself when it does not parse (then `problem` says why)."""
+        try:
+            return _PARSE[self.kind](text)
+        except (KeyError, ValueError):
+            return text
+
+    def argv(self, value) -> list[str]:
+        """The flag as the engine spells it; [] for an unset value or a false bool."""
+        if value is None or (self.kind == "bool" and not value):
+            return []
+        if self.kind == "bool":
+            return [self.cli]
+        return [self.cli, f"{value:g}" if self.kind == "float" else str(value)]
+
+    def problem(self, value, engine: str = "the engine") -> str | None:
+        """Why the engine would refuse `value`, in one phrase; None when it accepts it."""
+        name = self.name
+        if self.kind == "bool":
+            return None if isinstance(value, bool) else f"{name} must be true or false, got {value!r}"
+        if self.kind == "str":
+            if self.choices and value not in self.choices:
+                return f"{name} {value!r} is not one of {engine}'s: " + ", ".join(self.choices)
+            return None if isinstance(value, str) else f"{name} must be a string, got {value!r}"
+        numeric = (int, float) if self.kind == "float" else (int,)
+        ok = not isinstance(value, bool) and isinstance(value, numeric)
+        if ok and self.low is not None:
+            ok = value > self.low if self.low_open else value >= self.low
+        if ok and self.high is not None:
+            ok = value <= self.high
+        if ok:
+            return None
+        if self.kind == "float":
+            lo = "(" if self.low_open else "["
+            return (f"{name} must be in {lo}{_g(self.low, '-inf')}, {_g(self.high, 'inf')}], "
+                    f"got {value}")
+        if self.low == 1 and self.high is None:
+            return f"{name} must be a positive integer (>= 1), got {value}"
+        if self.high is None:
+            return f"{name} must be an integer >= {self.low:g}, got {value}"
+        return f"{name} must be an integer in [{_g(self.low, '-inf')}, {self.high:g}], got {value}"
+
+
+def _g(x, none: str) -> str:
+    return none if x is None else f"{x:g}"
+
+
+def flag_argv(flags: tuple[Flag, ...], values: dict) -> list[str]:
+    """Any dict of flag values as command-line flags, in the table's order (the one place a value
+    becomes a flag, as vLLM's sweep `apply_to_cmd` does)."""
+    out: list[str] = []
+    for f in flags:
+        out += f.argv(values.get(f.name))
+    return out
+
+
+class Engine(Protocol):
+    """An inference server the tuner can launch and measure."""
+
+    name: str                        # "vllm"
+    label: str                       # how messages name it: "vLLM"
+
+    @property
+    def flags(self) -> tuple[Flag, ...]:
+        """The searchable flags, in the order they are written on a command line."""
+
+    def argv(self, engine_cmd: tuple[str, ...], model: str, flag_values: dict,
+             extra_args: tuple[str, ...], host: str, port: int) -> list[str]:
+        """The server's full command line for one config."""
+
+    readiness_paths: tuple[str, ...]   # GET paths that all answer 200 once the server serves
+
+    def classify(self, log_text: str):
+        """The LaunchFailure a server log shows, or None if it shows none."""
+
+    def parse_capacity(self, log_text: str, metrics_text: str = "", ready_s: float = 0.0):
+        """Capacity facts from a ready server's log (and its /metrics page)."""
+
+    server_gauges: tuple[str, ...]     # /metrics gauges the load test samples (peaks)
+    server_counters: tuple[str, ...]   # /metrics counters it differences over a level
+
+    def read_defaults(self, engine_cmd: tuple[str, ...], model: str, extra_args: tuple[str, ...],
+                      env: dict | None = None) -> dict | None:
+        """The engine's own values of its flags when absent, for this model and device; None when
+        they cannot be read (then each flag's `default` is assumed)."""
+
+    def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str):
+        """A model predicting which configs fit in memory, or None when the engine has none."""

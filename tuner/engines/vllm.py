@@ -1,0 +1,96 @@
+"""vLLM as an engine: its flag table (the one place a searchable flag is spelled), argv, readiness, logs, metrics, defaults."""
+
+from __future__ import annotations
+
+from tuner.engines.base import Flag, flag_argv
+
+# vLLM 0.32's CacheDType (vllm/config/cache.py); a value outside it fails vLLM's pydantic check
+# only after a 20-40 s start, so it is refused before launch. A newer vLLM may add names: extend it.
+KV_CACHE_DTYPES = (
+    "auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
+    "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+    "turboquant_3bit_nc", "ultraquant_4bit", "int4_per_token_head", "int8_per_token_head",
+    "fp8_per_token_head", "nvfp4", "nvfp4_4over6",
+)
+
+# The searchable flags, in command-line order. `default` is what is assumed when vLLM's own value
+# cannot be read (`read_default` says where vLLM 0.32's engine config holds it: device-dependent
+# values such as max_num_seqs, 1024 on an H200 and 128 on the CPU build, are read, never assumed).
+FLAGS: tuple[Flag, ...] = (
+    Flag("gpu_memory_utilization", "float", "--gpu-memory-utilization", default=0.92,
+         read_default="cache_config.gpu_memory_utilization", memory="supply",
+         low=0.0, high=1.0, low_open=True, required=True, hand_tuned=0.92,
+         help="share of the device's memory vLLM may use (weights, activations, KV cache)"),
+    Flag("max_model_len", "int", "--max-model-len", default=None,
+         read_default="model_config.max_model_len", memory="demand", low=1, required=True,
+         hand_tuned=4096, help="longest request (prompt + output tokens) the server accepts"),
+    Flag("max_num_seqs", "int", "--max-num-seqs", default=256,
+         read_default="scheduler_config.max_num_seqs", low=1, required=True, hand_tuned=8,
+         help="most sequences scheduled at once"),
+    Flag("max_num_batched_tokens", "int", "--max-num-batched-tokens", default=8192,
+         read_default="scheduler_config.max_num_batched_tokens", memory="equal", low=1,
+         hand_tuned=8192, help="most tokens scheduled in one step"),
+    Flag("enforce_eager", "bool", "--enforce-eager", default=False,
+         read_default="model_config.enforce_eager", memory="equal", hand_tuned=False,
+         help="no CUDA graphs / torch.compile: faster start, slower decode"),
+    Flag("kv_cache_dtype", "str", "--kv-cache-dtype", default="auto",
+         read_default="cache_config.cache_dtype", memory="equal", choices=KV_CACHE_DTYPES,
+         hand_tuned="auto", help="data type of the KV cache (auto: the model's)"),
+)
+
+# /metrics samples the load test keeps per level. Gauges are combined across label sets (engines)
+# by max, counters by sum.
+SERVER_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_requests_running")
+SERVER_COUNTERS = (
+    "vllm:num_preemptions_total",
+    "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
+    "vllm:generation_tokens_total", "vllm:prompt_tokens_total",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+)
+
+
+class Vllm:
+    """vLLM's OpenAI-compatible server (`vllm serve`, or `python -m vllm.entrypoints.openai.api_server`)."""
+
+    name = "vllm"
+    label = "vLLM"
+    # /health answers before the model is registered; /v1/models only once requests can be served
+    readiness_paths = ("/health", "/v1/models")
+    server_gauges = SERVER_GAUGES
+    server_counters = SERVER_COUNTERS
+
+    @property
+    def flags(self) -> tuple[Flag, ...]:
+        return FLAGS   # the module's table, looked up on each call
+
+    def argv(self, engine_cmd, model, flag_values, extra_args, host, port) -> list[str]:
+        """`... serve` takes the model positionally; the api_server module takes `--model`."""
+        served = [model] if engine_cmd[-1] == "serve" else ["--model", model]
+        return [*engine_cmd, *served, *flag_argv(self.flags, flag_values), *extra_args,
+                "--host", host, "--port", str(port)]
+
+    def classify(self, log_text: str):
+        from tuner.launcher import classify
+
+        return classify(log_text)
+
+    def parse_capacity(self, log_text: str, metrics_text: str = "", ready_s: float = 0.0):
+        from tuner.launcher import parse_capacity
+
+        return parse_capacity(log_text, metrics_text, ready_s)
+
+    def read_defaults(self, engine_cmd, model, extra_args, env=None) -> dict | None:
+        from tuner import vllm_defaults
+
+        return vllm_defaults.read_defaults(engine_cmd, model, extra_args, env=env)
+
+    def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str):
+        from tuner import feasibility
+
+        return feasibility.MemoryModel(feasibility.model_shape(model_dir), device_memory_bytes,
+                                       platform)
+
+
+ENGINE = Vllm()

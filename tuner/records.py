@@ -1,0 +1,293 @@
+"""The frozen records that cross rooms: launch spec and outcome, workload, request and phase results, metrics, trial outcome, platform.
+
+Standard library only: reading a study file or a stored trial must not import a client, a
+server or a plotting library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# ---------------------------------------------------------------- launching a server
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything needed to start one vLLM server."""
+
+    model: str                         # model folder or HF id
+    params: ServerParams               # tuned flags
+    extra_args: tuple[str, ...] = ()   # fixed flags from the study, already split (argv items)
+    engine_cmd: tuple[str, ...] = ()   # () = default: `vllm serve` when that works, else python -m api_server
+    host: str = "127.0.0.1"
+    port: int = 0                      # 0 = a free port from the OS
+    # extra environment for the server; kept out of repr because it may hold VLLM_API_KEY
+    env: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    launch_timeout_s: float = 600.0
+    log_path: str = ""                 # where the full server log is written ("" = a temp file)
+    stop_timeout_s: float = 30.0       # SIGTERM grace before SIGKILL of the whole group
+
+
+@dataclass(frozen=True)
+class LaunchFailure:
+    """A launch that did not become ready, classified from vLLM's own messages."""
+
+    kind: str      # oom | kv_cache_too_small | no_cache_blocks | insufficient_free_memory | cpu_offload
+                   # | startup_timeout | port_in_use | crashed
+    message: str   # the line that decided the kind
+    needed_gib: float | None = None
+    available_gib: float | None = None
+    estimated_max_model_len: int | None = None
+    exit_code: int | None = None
+    log_tail: str = ""
+    verdict_s: float = 0.0  # seconds from start to verdict
+
+    @property
+    def is_memory(self) -> bool:
+        return self.kind in MEMORY_FAILURES
+
+
+MEMORY_FAILURES = frozenset({"oom", "kv_cache_too_small", "no_cache_blocks",
+                             "insufficient_free_memory", "cpu_offload"})
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Capacity facts vLLM logs (and /metrics exposes) once a server is ready."""
+
+    weights_gib: float | None = None
+    kv_cache_gib: float | None = None
+    kv_cache_tokens: int | None = None
+    max_concurrency: float | None = None   # at max-model-len
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    ready_s: float = 0.0
+    cache_config: tuple[tuple[str, str], ...] = ()   # labels of vllm:cache_config_info
+
+
+# ---------------------------------------------------------------- the load test
+
+@dataclass(frozen=True)
+class Workload:
+    """What the load test sends, the same for every config; read from the study file's [workload] table.
+
+    The load levels: concurrency 1 (single-stream speed), then closed-loop concurrency `levels`
+    (default: a ladder of powers of 4 up to `max_concurrency`), then open-loop Poisson
+    `request_rates`. Every config meets exactly these levels, whatever its own flags.
+    """
+
+    prompt_tokens: int = 128
+    output_tokens: int = 128
+    warmup_requests: int = 2
+    single_stream_requests: int = 8      # requests at concurrency 1
+    levels: tuple[int, ...] = ()         # closed-loop concurrency levels above 1; () = ladder to max_concurrency
+    request_rates: tuple[float, ...] = ()  # open-loop Poisson levels, requests/s
+    ttft_level: int | None = None        # the level whose TTFT p50 is the objective; None = the top level
+    waves: int = 4                       # a closed-loop level sends at least waves x concurrency requests ...
+    throughput_requests: int = 32        # ... and at least this many (a rate level sends this many)
+    max_concurrency: int = 64            # top of the default ladder
+    concurrency: int | None = None       # old spelling of levels = [concurrency]
+    request_rate: float | None = None    # old spelling of request_rates = [request_rate]
+    request_timeout_s: float = 300.0
+    endpoint: str = "completions"        # "completions" | "chat"
+    max_failed_share: float = 0.05       # above this a level marks the trial load_test_failed
+    # SLOs (ms, on p90): goodput counts requests meeting them; throughput is taken at the highest
+    # level that meets them when any is set. None = no SLO on that metric
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_e2e_ms: float | None = None
+    seed: int = 0                        # prompts and Poisson arrivals
+    # How often /metrics is sampled during a level for gauge peaks (KV usage, queue); None = only
+    # before and after. Off by default: vLLM renders /metrics in the API server process that streams
+    # every response, and on an H200 (8B shape, c=256) a sample every 2 s cost throughput and TPOT.
+    metrics_poll_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Level:
+    """One load level of the workload: a phase of the load test."""
+
+    name: str                            # "single_stream" | "c16" | "r2.5"
+    concurrency: int                     # closed loop: requests in flight; open loop: the client's cap
+    requests: int
+    request_rate: float | None = None    # open loop (Poisson arrivals), None for closed loop
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One request's outcome. Never an exception: failures are ok=False with a classified error.
+
+    Failed requests keep what was measured before the failure (partial ttft/itl/latency).
+    latency_s ends at the last content chunk, so latency_s - ttft_s == sum(itl_s).
+    """
+
+    ok: bool
+    status: int | None = None         # HTTP status, None if no response
+    error_kind: str = ""              # "" | http_error | connection | disconnected | timeout | bad_stream
+    #                                   | server_error | truncated | no_usage | no_content | other
+    error: str = ""                   # exception class and message, short
+    prompt_tokens: int = 0            # from usage
+    output_tokens: int = 0            # from usage
+    start_s: float = 0.0              # request start, relative to the phase start
+    ttft_s: float | None = None       # request start to first content
+    itl_s: tuple[float, ...] = ()     # gaps between content chunks
+    latency_s: float = 0.0            # request start to the last content chunk
+    queued_s: float = 0.0             # open loop: scheduled arrival to send (counted in ttft/latency)
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    name: str                         # "warmup" | "single_stream" | "throughput"
+    concurrency: int
+    wall_s: float
+    requests: tuple[RequestResult, ...]
+    server_metrics_before: tuple[tuple[str, float], ...] = ()   # selected /metrics samples
+    server_metrics_after: tuple[tuple[str, float], ...] = ()
+    server_metrics_peak: tuple[tuple[str, float], ...] = ()     # highest value of each gauge while it ran
+    request_rate: float | None = None                            # open-loop rate, None for closed loop
+
+
+
+# ---------------------------------------------------------------- what a load test measured
+
+@dataclass(frozen=True)
+class LevelMetrics:
+    """One load level of one launch: the point of the config's throughput-latency curve."""
+
+    name: str                              # "single_stream" | "c16" | "r2.5"
+    concurrency: int
+    request_rate: float | None = None
+    requests: int = 0
+    failed: int = 0
+    output_tokens: int = 0                 # successful requests, from usage
+    wall_s: float = 0.0                    # first request sent to last stream ended
+    window_start_s: float | None = None    # the steady-state window (relative to the level's start)
+    window_end_s: float | None = None
+    steady: bool = False                   # False: too short for a steady state, whole-phase rate used
+    throughput_tok_s: float | None = None  # output tok/s in the steady-state window
+    throughput_tok_s_wall: float | None = None  # output tokens / wall_s (ramp-up and drain included)
+    requests_per_s: float | None = None
+    goodput_req_s: float | None = None
+    meets_slos: bool | None = None         # p90 TTFT/TPOT/E2E within the workload's SLOs (None: none set)
+    decode_tok_s: float | None = None      # median per-request (output - 1) / (latency - ttft)
+    ttft_ms: float | None = None           # p50, from request start (open loop: scheduled arrival)
+    ttft_ms_p90: float | None = None
+    ttft_ms_p99: float | None = None
+    ttft_ms_mean: float | None = None
+    tpot_ms: float | None = None
+    tpot_ms_p90: float | None = None
+    itl_ms: float | None = None
+    itl_ms_p90: float | None = None
+    e2e_ms: float | None = None
+    e2e_ms_p90: float | None = None
+    preemptions: float | None = None
+    kv_cache_usage_max: float | None = None
+    num_requests_waiting_max: float | None = None
+    server_ttft_ms_mean: float | None = None
+    failure: str = ""                      # "" or why the level failed (share of failed requests)
+
+
+@dataclass(frozen=True)
+class LoadMetrics:
+    """Everything a trial's load test measured, flat, ready for Optuna user attrs and CSV columns.
+
+    Every config meets the same levels (the workload's, never its own flags). Definitions (client
+    clock, warm-up excluded, tokens from `usage`):
+
+    - `single_stream_tok_s`: at concurrency 1, median over requests of the decode rate
+      (output_tokens - 1) / (latency - ttft). Spread: IQR of those per-request rates.
+    - `throughput_tok_s`: steady-state output tok/s at the throughput level: the top closed-loop
+      level, or with SLOs set the highest level whose p90s meet them (goodput); 0 when none does.
+      Steady state: the window from the first completed request (ramp-up over) to the last request
+      sent (drain starts), output tokens of content chunks arriving in it over its length.
+    - `ttft_ms`: p50 TTFT at the workload's TTFT level (`ttft_level`, else the top level), from
+      request start, so time queued in the server counts; open loop from the scheduled arrival.
+    - The TPOT/ITL/E2E percentiles, preemptions, KV usage and server cross-checks are those of the
+      throughput level; `levels` holds every level's figures (the config's curve).
+    - `error_rate`: failed / sent over every measured level.
+    """
+
+    single_stream_tok_s: float | None = None
+    single_stream_tok_s_spread: float | None = None
+    throughput_tok_s: float | None = None
+    throughput_tok_s_wall: float | None = None
+    ttft_ms: float | None = None          # p50 at the TTFT level
+    ttft_ms_spread: float | None = None
+    ttft_ms_p90: float | None = None
+    ttft_ms_p99: float | None = None
+    ttft_ms_mean: float | None = None
+    single_stream_ttft_ms: float | None = None
+    single_stream_source: str = ""        # "client" | "server_itl" (streams came in one read)
+    tpot_ms: float | None = None          # p50
+    tpot_ms_p90: float | None = None
+    tpot_ms_p99: float | None = None
+    tpot_ms_mean: float | None = None
+    itl_ms: float | None = None           # p50
+    itl_ms_p90: float | None = None
+    itl_ms_p99: float | None = None
+    itl_ms_mean: float | None = None
+    e2e_ms: float | None = None           # p50
+    e2e_ms_mean: float | None = None
+    e2e_ms_p90: float | None = None
+    e2e_ms_p99: float | None = None
+    requests_per_s: float | None = None
+    goodput_req_s: float | None = None
+    error_rate: float = 0.0
+    concurrency: int | None = None        # the throughput level's concurrency
+    throughput_level: str = ""
+    ttft_level: str = ""
+    steady: bool | None = None            # the throughput level had a steady-state window
+    window_start_s: float | None = None
+    window_end_s: float | None = None
+    preemptions: float | None = None      # vllm:num_preemptions_total delta over every level
+    kv_cache_usage_max: float | None = None
+    load_test_failed: str = ""            # "" or the reason a level failed
+    requests_sent: int = 0                # every measured level
+    requests_failed: int = 0
+    output_tokens_total: int = 0          # throughput level, from usage
+    throughput_wall_s: float | None = None
+    num_requests_waiting_max: float | None = None
+    server_ttft_ms_mean: float | None = None
+    server_itl_ms_mean: float | None = None
+    error_kinds: str = ""                 # e.g. "timeout:3,http_error:1" over all phases
+    top_error: str = ""                   # the most common error of failed requests, one line
+    levels: tuple[LevelMetrics, ...] = ()
+
+
+# ---------------------------------------------------------------- one trial, and where it ran
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """What launching and load-testing one config produced. Exactly one of failure/metrics decides."""
+
+    params: ServerParams                 # as launched (after any memory-budget scaling)
+    argv: tuple[str, ...] = ()
+    log_path: str = ""
+    failure: LaunchFailure | None = None
+    capacity: Capacity | None = None
+    metrics: LoadMetrics | None = None
+    launch_s: float = 0.0
+    load_s: float = 0.0
+    peak_gpu_memory_bytes: int | None = None     # used on the server's GPU (everyone's)
+    peak_gpu_server_bytes: int | None = None     # of it, held by the server's process group
+    peak_gpu_stranger_bytes: int | None = None   # of it, held by other processes
+
+    @property
+    def failure_kind(self) -> str:
+        if self.failure is not None:
+            return self.failure.kind
+        if self.metrics is not None and self.metrics.load_test_failed:
+            return "load_test_failed"
+        return ""
+
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where trials run: the device, its memory and bandwidth, the engine and the vLLM version."""
+
+    kind: str                      # "cuda" | "cpu"
+    device_name: str
+    memory_total_bytes: int
+    bandwidth_gbps: float | None
+    engine: tuple[str, ...]
+    vllm_version: str
