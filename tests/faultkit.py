@@ -87,7 +87,8 @@ def fake_engine_study(model: Path, mode: str = "ok", name: str = "faults", trial
                       engine: tuple[str, ...] | None = None, output_tokens: int = 4) -> dict:
     """A study document whose engine is the fake OpenAI server (or `engine`)."""
     return {
-        "study": {"name": name, "sampler": "random", "seed": 1, "memory_model": False},
+        "study": {"name": name, "sampler": "random", "seed": 1, "memory_model": False,
+                  "replicates": 0},
         "model": {"path": str(model)},
         "server": {"engine": list(engine or (sys.executable, str(FAKE_OPENAI))),
                    "env": {"FAKE_MODE": mode, **(env or {})}, "launch_timeout_s": launch_timeout_s},
@@ -103,7 +104,8 @@ def fake_engine_study(model: Path, mode: str = "ok", name: str = "faults", trial
 def real_vllm_study(model: Path, name: str = "faults-vllm") -> dict:
     """The tiny model on the real CPU build, in a corner of the space where every config fits."""
     return {
-        "study": {"name": name, "sampler": "random", "seed": 3, "memory_model": False},
+        "study": {"name": name, "sampler": "random", "seed": 3, "memory_model": False,
+                  "replicates": 0},
         "model": {"path": str(model)},
         "server": {"extra_args": ["--enforce-eager"], "launch_timeout_s": 300.0},
         "space": {"gpu_memory_utilization": {"low": 0.1, "high": 0.12, "step": 0.01},

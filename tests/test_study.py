@@ -273,3 +273,26 @@ def test_export_preferences_pick_the_best_on_their_objective(tmp_path):
         front["single_stream_tok_s"].max()
 
 
+
+
+def test_a_server_left_by_a_killed_replicate_launch_is_stopped_by_the_next_run(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = fake_config(tmp_path)
+    run(cfg, FakeDevice(), 1)
+    # a server of a replicate launch whose tuner was SIGKILLed: its own process group, our port mark
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "--port", "8765"],
+                              start_new_session=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    study = load_existing(cfg)
+    study.set_user_attr("relaunch_server", {"pgid": server.pid, "port": 8765, "host": os.uname().nodename,
+                                            "tuner_pid": dead.pid, "trial": 0, "kind": "replicate"})
+    try:
+        Tuner(cfg, measure=FakeDevice(), platform=FAKE_PLATFORM, progress=False).open()
+        assert server.wait(timeout=40) is not None
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert load_existing(cfg).user_attrs["relaunch_server"] == {}

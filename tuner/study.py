@@ -401,6 +401,13 @@ class Tuner:
         """Trials left RUNNING by a killed tuner on this host: stop their servers, fail, retry."""
         from tuner import launcher
 
+        r = study.user_attrs.get("relaunch_server") or {}
+        if r.get("pgid") and r.get("host") == socket.gethostname() and not _alive(r.get("tuner_pid")):
+            killed = launcher.reap_process_group(int(r["pgid"]), f"--port {r.get('port')}")
+            if killed:
+                log(f"stopped server of an interrupted {r.get('kind')} of trial {r.get('trial')} "
+                    f"(pgid {r['pgid']}, pids {', '.join(map(str, killed))})")
+            study.set_user_attr("relaunch_server", {})
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             a = t.user_attrs
             if a.get("tuner_host") != socket.gethostname() or _alive(a.get("tuner_pid")):
@@ -671,7 +678,15 @@ class Tuner:
             folder.mkdir(parents=True, exist_ok=True)
             spec = launch_spec(self.cfg, self.platform, self.model, self.extra_args, params,
                                folder / f"{kind}-{done + 1}.log")
-            outcome = self.measure(spec, self.cfg.workload, progress=self.progress)
+            def on_started(server) -> None:
+                # a tuner killed during this launch leaves enough behind to stop the server later
+                study.set_user_attr("relaunch_server", {
+                    "pgid": server.pgid, "port": server.port, "host": socket.gethostname(),
+                    "tuner_pid": os.getpid(), "trial": number, "kind": kind})
+
+            outcome = self.measure(spec, self.cfg.workload, on_started=on_started,
+                                   progress=self.progress)
+            study.set_user_attr("relaunch_server", {})
             run = run_dict(outcome, kind)
             runs.append(run)
             study.set_user_attr(key, runs)
