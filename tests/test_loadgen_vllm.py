@@ -13,9 +13,10 @@ pytestmark = pytest.mark.vllm
 def test_short_workload_on_real_vllm(tiny_vllm_server):
     base_url, model = tiny_vllm_server
     w = Workload(prompt_tokens=48, output_tokens=16, warmup_requests=1, single_stream_requests=3,
-                 throughput_requests=12, request_timeout_s=120, metrics_poll_s=0.5)
-    phases = run_load_test(base_url, model, w, max_num_seqs=8, progress=False)
-    assert [p.name for p in phases] == ["warmup", "single_stream", "throughput"]
+                 throughput_requests=12, request_timeout_s=120, metrics_poll_s=0.5,
+                 levels=(8,), waves=1)
+    phases = run_load_test(base_url, model, w, progress=False)
+    assert [p.name for p in phases] == ["warmup", "single_stream", "c8"]
     for p in phases:
         for r in p.requests:
             assert r.ok, (p.name, r.error_kind, r.error)

@@ -47,7 +47,7 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
         phases = run_load_test(server.base_url, spec.model, workload, progress=progress)
         metrics = summarize(phases, workload)
         return replace(base, capacity=ready, metrics=metrics, load_s=time.monotonic() - t1,
-                       **_peaks(sampler))
+                       server_exit_code=server.returncode, **_peaks(sampler))
 
 
 def _peaks(sampler) -> dict:

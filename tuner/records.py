@@ -270,6 +270,7 @@ class TrialOutcome:
     peak_gpu_memory_bytes: int | None = None     # used on the server's GPU (everyone's)
     peak_gpu_server_bytes: int | None = None     # of it, held by the server's process group
     peak_gpu_stranger_bytes: int | None = None   # of it, held by other processes
+    server_exit_code: int | None = None          # set when the server died during the load test
 
     @property
     def failure_kind(self) -> str:

@@ -248,6 +248,8 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
     attrs["log_path"] = outcome.log_path
     attrs["launch_s"] = round(outcome.launch_s, 2)
     attrs["load_s"] = round(outcome.load_s, 2)
+    if outcome.server_exit_code is not None:   # the server died while it was being load-tested
+        attrs["server_exit_code"] = outcome.server_exit_code
     for key in ("peak_gpu_memory", "peak_gpu_server", "peak_gpu_stranger"):
         value = getattr(outcome, f"{key}_bytes")
         if value:  # the device's use, the server's own share, and what other processes held
@@ -745,6 +747,8 @@ def stop_if_every_request_failed(t: FrozenTrial, outcome: TrialOutcome) -> None:
     m = outcome.metrics
     if m is None or not m.requests_sent or m.requests_failed < ALL_FAILED_SHARE * m.requests_sent:
         return
+    if outcome.server_exit_code is not None:
+        return   # the server died under load: that is this config's (or an outside kill's) doing
     hint = "check [workload] (prompt/output tokens, endpoint) against the model and its tokenizer"
     if "401" in m.top_error or "Unauthorized" in m.top_error:
         hint = "the server wants an API key: export VLLM_API_KEY for the tuner"
