@@ -43,6 +43,23 @@ def test_run_writes_results_and_records_failures_as_constraint_violations(tmp_pa
     assert len(pareto) >= 1 and pareto["failure"].isna().all()
 
 
+def test_a_failed_config_is_told_the_worst_measured_figures_not_placeholders(tmp_path):
+    # the GP sampler standardises every told value: 0 tok/s and a 120 s TTFT for each failure
+    # would squash the measured configs' differences into noise
+    cfg = fake_config(tmp_path)
+    study = run(cfg, FakeDevice(), 10)
+    measured = [t for t in study.trials if t.state == TrialState.COMPLETE
+                and not t.user_attrs.get("failure")]
+    failed = [t for t in study.trials if t.state == TrialState.COMPLETE
+              and t.user_attrs.get("failure") and t.number > min(m.number for m in measured)]
+    assert measured and failed
+    for t in failed:
+        before = [m.values for m in measured if m.number < t.number]
+        assert t.values[0] == min(v[0] for v in before) > 0
+        assert t.values[1] == min(v[1] for v in before) > 0
+        assert t.values[2] == max(v[2] for v in before) < cfg.workload.request_timeout_s * 1000
+
+
 def test_baselines_come_first_snapped_into_the_space(tmp_path):
     cfg = fake_config(tmp_path)
     study = run(cfg, FakeDevice(), 2)

@@ -199,9 +199,19 @@ def slo_violation(cfg: StudyConfig, m: LoadMetrics) -> float:
     return worst
 
 
-def penalty_values(cfg: StudyConfig) -> tuple[float, float, float]:
-    """Objective values of a config that produced no measurement (the constraint says why)."""
-    return 0.0, 0.0, cfg.workload.request_timeout_s * 1000.0
+def penalty_values(cfg: StudyConfig, study: optuna.Study | None = None) -> tuple[float, float, float]:
+    """Objective values told for a config that produced no measurement (its constraints say why).
+
+    The worst figures a feasible config measured so far, objective by objective: a placeholder such
+    as 0 tok/s and the request timeout would stretch the GP sampler's standardised objectives so
+    far that 40 ms and 360 ms of TTFT look alike. Before any feasible trial: 0, 0 and the timeout.
+    """
+    measured = [t.values for t in (study.get_trials(deepcopy=False) if study is not None else ())
+                if t.state == TrialState.COMPLETE and t.values is not None
+                and not t.user_attrs.get("failure") and all(v <= 0 for v in t.constraints.values())]
+    if not measured:
+        return 0.0, 0.0, cfg.workload.request_timeout_s * 1000.0
+    return (min(v[0] for v in measured), min(v[1] for v in measured), max(v[2] for v in measured))
 
 
 def _flat(prefix: str, obj) -> dict:
@@ -240,7 +250,8 @@ def config_key(params: dict, dimensions) -> tuple:
 
 
 def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
-                   extra: dict) -> tuple[float, float, float]:
+                   extra: dict, penalty: tuple[float, float, float] | None = None
+                   ) -> tuple[float, float, float]:
     """Store everything the trial measured as user attrs and constraints; return its objective values."""
     attrs = dict(extra)
     attrs["failure"] = outcome.failure_kind
@@ -255,7 +266,7 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
         if value:  # the device's use, the server's own share, and what other processes held
             attrs[f"{key}_gib"] = round(value / 2**30, 3)
     constraints = dict.fromkeys(CONSTRAINTS, 0.0)
-    values = penalty_values(cfg)
+    values = penalty if penalty is not None else penalty_values(cfg)
     f = outcome.failure
     if f is not None:
         attrs.update(failure_message=f.message[:500], failure_log_tail=f.log_tail[-2000:],
@@ -277,8 +288,8 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
             constraints["load_test"] = max(0.01, m.error_rate)
         constraints["slo"] = slo_violation(cfg, m)
         measured = (m.single_stream_tok_s, m.throughput_tok_s, m.ttft_ms)
-        if all(v is not None for v in measured):
-            values = measured
+        if all(v is not None for v in measured) and not m.load_test_failed:
+            values = measured   # a failed load test's figures stay in its attrs, not in the sampler
         elif not m.load_test_failed:
             missing = [k for k, v in zip(OBJECTIVES, measured) if v is None]
             constraints["load_test"] = 1.0
@@ -491,7 +502,7 @@ class Tuner:
                 trial.set_constraint(key, 0.0)
             trial.set_constraint("load_test", (w.prompt_tokens + w.output_tokens)
                                  / params.max_model_len - 1)
-            study.tell(trial, penalty_values(self.cfg))
+            study.tell(trial, penalty_values(self.cfg, study))
             return "predicted_infeasible"
         failed = self.known_infeasible(study, params)
         if failed is not None:
@@ -501,7 +512,7 @@ class Tuner:
                                 f"({failed.user_attrs['failure']}) had more memory and a shorter context")
             for key, value in failed.constraints.items():
                 trial.set_constraint(key, value)
-            study.tell(trial, penalty_values(self.cfg))
+            study.tell(trial, penalty_values(self.cfg, study))
             return "predicted_infeasible"
         common = {"platform": self.platform.kind, "gpu_name": self.platform.device_name,
                   "gpu_memory_total_gib": round(self.platform.memory_total_bytes / 2**30, 2),
@@ -521,7 +532,7 @@ class Tuner:
                 for key in CONSTRAINTS:
                     trial.set_constraint(key, 0.0 if key != "memory" else _predicted_grade(
                         launch_params, prediction))
-                study.tell(trial, penalty_values(self.cfg))
+                study.tell(trial, penalty_values(self.cfg, study))
                 return "predicted_infeasible"
 
         k = self.launched_count(study) + 1
@@ -565,7 +576,7 @@ class Tuner:
             log(f"  tuner error in trial {trial.number}: {type(e).__name__}: {e}")
             return "tuner_error"
         common.update(self.roofline(outcome))
-        values = record_outcome(trial, self.cfg, outcome, common)
+        values = record_outcome(trial, self.cfg, outcome, common, penalty_values(self.cfg, study))
         frozen = study.tell(trial, values)
         self.observe(frozen)
         log("  " + describe(frozen))
@@ -807,9 +818,12 @@ def describe(t: FrozenTrial) -> str:
     if a.get("failure") and a["failure"] != "load_test_failed":
         extra = a.get("estimated_max_model_len")
         return f"trial {t.number}: {a['failure']}" + (f" (fits {extra} tokens)" if extra else "")
+    if a.get("failure") == "load_test_failed":
+        return (f"trial {t.number}: load_test_failed ({a.get('requests_failed', '?')} of "
+                f"{a.get('requests_sent', '?')} requests failed: {str(a.get('top_error', ''))[:120]})")
     ss, tp, ttft = t.values
     return (f"trial {t.number}: single-stream {ss:.1f} tok/s, throughput {tp:.1f} tok/s, "
-            f"TTFT p50 {ttft:.0f} ms" + (f" [{a['failure']}]" if a.get("failure") else ""))
+            f"TTFT p50 {ttft:.0f} ms")
 
 
 def study_summary(cfg: StudyConfig, model: str, extra_args: tuple[str, ...]) -> dict:
