@@ -49,8 +49,9 @@ def run(study: str, out: Path, seed: int, trials: int) -> float:
     return time.monotonic() - t0
 
 
-def params_of(row) -> tuple:
-    return tuple((k, row[k]) for k in ("gpu_memory_utilization", "max_model_len", "max_num_seqs"))
+def params_of(row) -> str:
+    return (f"{float(row['gpu_memory_utilization']):.2f} / {int(row['max_model_len'])} / "
+            f"{int(row['max_num_seqs'])}")
 
 
 def check_top_is_on_front(df) -> str:
