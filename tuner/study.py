@@ -288,10 +288,12 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
             constraints["load_test"] = max(0.01, m.error_rate)
         constraints["slo"] = slo_violation(cfg, m)
         measured = (m.single_stream_tok_s, m.throughput_tok_s, m.ttft_ms)
-        if all(v is not None for v in measured) and not m.load_test_failed:
-            values = measured   # a failed load test's figures stay in its attrs, not in the sampler
-        elif not m.load_test_failed:
-            missing = [k for k, v in zip(OBJECTIVES, measured) if v is None]
+        missing = [k for k, v in zip(OBJECTIVES, measured) if v is None]
+        if m.load_test_failed:
+            pass   # a failed load test's figures stay in its attrs, not in the sampler
+        elif not missing:
+            values = measured
+        else:
             constraints["load_test"] = 1.0
             attrs["failure"] = "load_test_failed"
             attrs["failure_message"] = "no measurement of " + ", ".join(missing)
@@ -815,12 +817,12 @@ def _eta(started: float, k: int, n: int) -> str:
 
 def describe(t: FrozenTrial) -> str:
     a = t.user_attrs
-    if a.get("failure") and a["failure"] != "load_test_failed":
-        extra = a.get("estimated_max_model_len")
-        return f"trial {t.number}: {a['failure']}" + (f" (fits {extra} tokens)" if extra else "")
     if a.get("failure") == "load_test_failed":
         return (f"trial {t.number}: load_test_failed ({a.get('requests_failed', '?')} of "
                 f"{a.get('requests_sent', '?')} requests failed: {str(a.get('top_error', ''))[:120]})")
+    if a.get("failure"):
+        extra = a.get("estimated_max_model_len")
+        return f"trial {t.number}: {a['failure']}" + (f" (fits {extra} tokens)" if extra else "")
     ss, tp, ttft = t.values
     return (f"trial {t.number}: single-stream {ss:.1f} tok/s, throughput {tp:.1f} tok/s, "
             f"TTFT p50 {ttft:.0f} ms")
