@@ -144,6 +144,7 @@ def svg(draw, name: str) -> str:
         path = draw(Path(tmp) / f"{name}.svg")
         text = path.read_text(encoding="utf-8")
     text = text[text.index("<svg"):]
+    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)   # RDF naming matplotlib
     text = re.sub(r'\bid="([^"]+)"', rf'id="{name}-\1"', text)
     text = re.sub(r"url\(#([^)]+)\)", rf"url(#{name}-\1)", text)
     return re.sub(r'href="#([^"]+)"', rf'href="#{name}-\1"', text)
