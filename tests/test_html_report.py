@@ -3,8 +3,8 @@ of trials.csv, a command per preference that the copy button copies; partial and
 
 from __future__ import annotations
 
-import io
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -73,8 +73,7 @@ def curve_study(tmp_path_factory):
     study = optuna.load_study(study_name=cfg.name, storage=cfg.storage)
     study.enqueue_trial({"gpu_memory_utilization": 0.2, "max_model_len": 65536, "max_num_seqs": 16})
     study = Tuner(cfg_off, measure=device, platform=platform, progress=False).run(6)
-    report.write_all(study, cfg)
-    folder = cfg.results_path
+    folder = cfg.results_path   # the end of `run` wrote the page (report.write_all)
     return SimpleNamespace(cfg=cfg, study=study, folder=folder, page=folder / "report.html",
                            csv=pd.read_csv(folder / "trials.csv"), partial=partial)
 
@@ -228,7 +227,8 @@ def test_baselines_are_marked_and_their_names_escaped(curve_study, browser):
                        ".map(b => b.textContent)")
     assert sorted(badges) == sorted(f"baseline: {n}" for n in
                                     ("vllm-defaults", "hand-tuned", ODD_NAME))
-    assert page.eval("document.querySelectorAll('.badge b, section b b').length") == 0
+    assert page.eval("[...document.querySelectorAll('b')].filter(b => b.textContent == 'tight')"
+                     ".length") == 0
     assert "&lt;b&gt;tight&lt;/b&gt; &amp; co" in curve_study.page.read_text()
 
 
@@ -265,3 +265,60 @@ def test_committed_h200_study_through_the_report_command(tmp_path, browser):
     assert page.eval("document.querySelectorAll('.command').length") == len(export.PREFERENCES)
     assert "no load levels recorded" in page.eval("document.getElementById('curves').textContent")
     assert "NVIDIA H200" in page.eval("document.getElementById('summary').textContent")
+
+
+MARKUP = '<img src=x onerror="console.error(1)"><script>console.error(2)</script>'
+
+
+def test_every_string_from_storage_is_escaped(tmp_path, browser):
+    """Markup in what storage holds (messages, names, the command, the device) stays text."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+    from optuna.trial import TrialState, create_trial
+
+    cfg = parse_study(study_doc(False), "<html test>", {"storage": f"sqlite:///{tmp_path}/m.db",
+                                                        "results_dir": str(tmp_path)})
+    study = optuna.create_study(study_name=cfg.name, storage=cfg.storage,
+                                directions=["maximize", "maximize", "minimize"])
+    study.set_user_attr("config", {"model": MARKUP, "workload": {"prompt_tokens": MARKUP}})
+    dists = {"gpu_memory_utilization": FloatDistribution(0.1, 0.9, step=0.1),
+             "max_model_len": CategoricalDistribution([1024, 4096]),
+             "max_num_seqs": CategoricalDistribution([1, 4])}
+    params = {"gpu_memory_utilization": 0.5, "max_model_len": 1024, "max_num_seqs": 4}
+    common = {"gpu_name": MARKUP, "vllm_version": MARKUP, "baseline": MARKUP,
+              "baseline_source": MARKUP, "predicted_reason": MARKUP,
+              "command": shlex.join(["vllm", "serve", MARKUP, "--max-num-seqs", "4"])}
+    study.add_trial(create_trial(state=TrialState.COMPLETE, values=[90.0, 400.0, 40.0],
+                                 params=params, distributions=dists,
+                                 user_attrs={**common, "failure": ""},
+                                 constraints={"memory": 0.0, "launch": 0.0}))
+    study.add_trial(create_trial(state=TrialState.COMPLETE, values=[0.0, 0.0, 1e6],
+                                 params={**params, "max_model_len": 4096}, distributions=dists,
+                                 user_attrs={**common, "failure": MARKUP, "failure_message": MARKUP},
+                                 constraints={"memory": 1.0, "launch": 0.0}))
+    path = html_report.write(study, cfg)
+    page = opened(browser, path)
+    assert page.errors == []                  # neither the img's handler nor the script ran
+    assert page.eval("document.images.length") == 0
+    assert page.eval("document.scripts.length") == 1          # the page's own
+    text = page.eval("document.body.innerText")
+    assert text.count(MARKUP) >= 5            # shown as text: summary, badges, tables, failure
+    assert MARKUP in page.eval("document.getElementById('cmd-balanced').textContent")
+
+
+def test_plot_text_is_escaped_in_the_inline_svg():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def draw(path):
+        fig, ax = plt.subplots()
+        ax.set_title(MARKUP)
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+    svg = html_report.svg(draw, "t")
+    assert svg.startswith("<svg") and "<img" not in svg and "<script" not in svg
+    assert "&lt;img src=x" in svg
+    assert 'id="t-' in svg and "<metadata>" not in svg

@@ -314,9 +314,9 @@ def roofline_section(df: pd.DataFrame, params) -> str:
     parts = []
     for _, row in rows.iterrows():
         pct = max(0.0, min(100.0, float(row["roofline_pct"])))
-        parts.append(f'<div class="bar" title="trial {int(row["trial"])}"><span>trial '
-                     f'{int(row["trial"])}</span><div class="fill" style="width:{pct:.1f}%">'
-                     f"</div></div>")
+        parts.append(f'<div class="bar"><span>trial {int(row["trial"])}</span>'
+                     f'<div class="track"><div class="fill" style="width:{pct:.1f}%"></div></div>'
+                     f"<span>{pct:.1f} %</span></div>")
     body = para("single-stream decode speed as a share of the memory-bandwidth bound "
                 "(weights and KV cache read once per token)")
     body += table(rows, params + [("single_stream_tok_s", "single-stream tok/s", 1),
@@ -367,8 +367,9 @@ figcaption{color:#555;font-size:12px}
 .cmdline pre{flex:1;background:#f6f8fa;padding:.6em;margin:0;white-space:pre-wrap;word-break:break-all}
 button.copy{padding:.3em .9em;cursor:pointer}
 dl.facts{display:grid;grid-template-columns:max-content 1fr;gap:2px 1em} dd{margin:0}
-.bars .bar{position:relative;background:#eee;height:18px;margin:3px 0;max-width:600px}
-.bars .fill{background:#1f77b4;height:100%} .bars span{position:absolute;left:4px;font-size:11px;color:#fff}
+.bars .bar{display:flex;align-items:center;gap:.6em;margin:3px 0;font-size:12px}
+.bars .bar span:first-child{width:5em} .bars .track{background:#eee;height:14px;width:500px}
+.bars .fill{background:#1f77b4;height:100%}
 """
 
 # Copying: the Clipboard API where the browser allows it (https, localhost), else the selection
