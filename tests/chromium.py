@@ -1,5 +1,4 @@
-"""Headless Chromium (Debian's package) driven over the DevTools protocol: open a page, collect its
-console errors and uncaught exceptions, evaluate JavaScript in it, take a screenshot."""
+"""Headless Chromium (Debian's package) over the DevTools protocol: a page, its console errors, JavaScript, screenshots."""
 
 from __future__ import annotations
 

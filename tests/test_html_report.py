@@ -1,5 +1,4 @@
-"""report.html in a real browser: no console error, the plots and tables there, the numbers those
-of trials.csv, a command per preference that the copy button copies; partial and finished studies."""
+"""report.html in headless Chromium: no console error, plots and tables, trials.csv's numbers, commands to copy."""
 
 from __future__ import annotations
 

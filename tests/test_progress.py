@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import pty
 import re
 import select
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
 from pathlib import Path
 
@@ -178,6 +181,7 @@ def test_run_in_a_real_terminal_redraws_and_clears(tmp_path):
         Tuner(fake_config(Path({str(tmp_path)!r})), measure=device, platform=FAKE_PLATFORM).run(2)
     """)
     master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # 100 columns
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=slave, env=env, cwd=tmp_path)
@@ -202,3 +206,4 @@ def test_run_in_a_real_terminal_redraws_and_clears(tmp_path):
     shown = [line for line in screen(text) if line]
     assert shown[-1].startswith("  trial ")   # the last thing left on screen is a log line
     assert not any("launching (" in line for line in shown)   # no status line left behind
+    assert max(len(line) for line in re.split(r"[\r\n]", text) if "launching (" in line) < 100

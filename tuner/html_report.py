@@ -241,7 +241,7 @@ def front_section(cfg: StudyConfig, df: pd.DataFrame, params) -> str:
                 + "; ".join(f"{k}: {LABELS[k]}" for k in OBJECTIVES))
     body += table(front, params + OBJECTIVE_COLUMNS + stds + [("runs", "runs", 0),
                                                               ("roofline_pct", "roofline %", 1)],
-                  "front", _Marks())
+                  "front", _Marks(), drop_empty=True)
     measured = df[df[list(OBJECTIVES)].notna().all(axis=1)] if len(df) else df
     if len(measured):
         body += figure(lambda p: report.plot_projections(df, p, cfg.name), "pareto",
@@ -250,7 +250,7 @@ def front_section(cfg: StudyConfig, df: pd.DataFrame, params) -> str:
     return section("front-section", "Pareto front", body)
 
 
-def curves_section(cfg: StudyConfig, df: pd.DataFrame, levels: pd.DataFrame, params) -> str:
+def curves_section(cfg: StudyConfig, df: pd.DataFrame, levels: pd.DataFrame) -> str:
     if levels.empty or "name" not in levels.columns:
         return section("curves", "Load curves",
                        para("no load levels recorded (a study from before per-level records, or "
@@ -415,7 +415,7 @@ def page(study, cfg: StudyConfig, df: pd.DataFrame | None = None,
     else:
         sections = [summary_section(study, cfg, df), commands_section(study, cfg, df),
                     front_section(cfg, df, params), noise_section(df),
-                    curves_section(cfg, df, levels, params), roofline_section(df, params),
+                    curves_section(cfg, df, levels), roofline_section(df, params),
                     baselines_section(df, params), failures_section(df, params, duplicates),
                     trials_section(cfg, df, params)]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

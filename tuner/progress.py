@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import threading
@@ -142,8 +143,17 @@ class RunProgress:
             self.stream.write(f"{self.head()} {label}\n")
             self.stream.flush()
 
+    def _width(self) -> int:
+        """The terminal's width (stderr's own: stdout may be a pipe); a longer line would wrap,
+        and \r would then redraw only its last row."""
+        try:
+            columns = os.get_terminal_size(self.stream.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            columns = 0
+        return columns or shutil.get_terminal_size((120, 24)).columns   # 0: size not set
+
     def _draw(self) -> None:
-        width = shutil.get_terminal_size((120, 24)).columns
+        width = self._width()
         self.stream.write("\r\x1b[K" + self.line()[:max(20, width - 1)])
         self.stream.flush()
         self.shown = True
