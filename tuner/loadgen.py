@@ -6,13 +6,14 @@ import asyncio
 import json
 import os
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
 
+from tuner import progress as run_progress
+from tuner.progress import RequestProgress
 from tuner.prompts import build_prompts  # noqa: F401 - re-exported: callers import it from here
 
 try:  # a vLLM dependency; typed decoding skips unknown fields and is several times faster than json
@@ -260,46 +261,6 @@ def endpoint_url(base_url: str, endpoint: str) -> str:
     return base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
 
 
-# ---------------------------------------------------------------- progress
-
-class _Progress:
-    """One live line per phase on stderr: \\r-updated on a tty, a few plain lines otherwise."""
-
-    def __init__(self, name: str, total: int, enabled: bool):
-        self.name, self.total, self.enabled = name, total, enabled and total > 0
-        self.tty = self.enabled and sys.stderr.isatty()
-        self.done = self.tokens = 0
-        self.t0 = time.perf_counter()
-        self.last_write = 0.0
-        self.next_mark = 1
-
-    def add(self, r: RequestResult) -> None:
-        self.done += 1
-        self.tokens += r.output_tokens
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if self.tty:
-            if now - self.last_write >= 0.2 or self.done == self.total:
-                self.last_write = now
-                sys.stderr.write("\r" + self._line(now))
-                sys.stderr.flush()
-        elif self.done >= self.total * self.next_mark / 4:
-            while self.done >= self.total * self.next_mark / 4:
-                self.next_mark += 1
-            sys.stderr.write(self._line(now) + "\n")
-            sys.stderr.flush()
-
-    def _line(self, now: float) -> str:
-        rate = self.tokens / max(now - self.t0, 1e-9)
-        return f"{self.name}: {self.done}/{self.total} requests, {rate:,.0f} tok/s"
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 # ---------------------------------------------------------------- phases
 
 async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, payloads: Sequence[bytes], *,
@@ -327,7 +288,7 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
                 if k in SERVER_GAUGES:
                     peaks[k] = max(peaks.get(k, v), v)
 
-    bar = _Progress(name, len(payloads), progress)
+    bar = RequestProgress(name, len(payloads), progress)
     results: list[RequestResult | None] = [None] * len(payloads)
     poller = asyncio.create_task(poll()) if metrics_poll_s and payloads else None
     t0 = clock()
@@ -401,6 +362,7 @@ async def run_load_test_async(base_url: str, model: str, workload: Workload,
     if w.warmup_requests > 0:
         top = max((lv.concurrency for lv in plan if lv.request_rate is None), default=1)
         plan = (Level("warmup", max(1, min(top, w.warmup_requests)), w.warmup_requests),) + plan
+    run_progress.phase("building prompts")
     async with new_session(16) as session:
         prompts = await build_prompts(session, base_url, model, sum(lv.requests for lv in plan),
                                       w.prompt_tokens, w.endpoint, seed=w.seed)
@@ -415,6 +377,7 @@ async def run_load_test_async(base_url: str, model: str, workload: Workload,
                                           timeout_s=w.request_timeout_s, request_rate=lv.request_rate,
                                           seed=w.seed, metrics_poll_s=w.metrics_poll_s,
                                           progress=progress, endpoint=w.endpoint))
+    run_progress.phase("stopping")   # the caller stops the server next
     return tuple(phases)
 
 

@@ -199,10 +199,10 @@ def write_trials(study, cfg: StudyConfig) -> pd.DataFrame:
 
 
 def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame:
-    """trials.csv, pareto.csv, levels.csv, noise.json, the plots and best-command.sh."""
+    """trials.csv, pareto.csv, levels.csv, noise.json, the plots, best-command.sh, report.html."""
     import json
 
-    from tuner import export
+    from tuner import export, html_report
 
     df = write_trials(study, cfg)
     folder = cfg.results_path
@@ -215,6 +215,7 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
     if len(front):
         row = export.choose(front, prefer, df.attrs.get("noise"))
         (folder / "best-command.sh").write_text(export.script(row, study, cfg))
+    html_report.write(study, cfg, df, levels)
     return df
 
 

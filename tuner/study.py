@@ -6,7 +6,6 @@ import json
 import os
 import shlex
 import socket
-import sys
 import tempfile
 import time
 from dataclasses import asdict, fields
@@ -18,7 +17,7 @@ import optuna
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner import engines, presets, space
+from tuner import engines, presets, progress, space
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
 from tuner.records import (Capacity, LaunchFailure, LaunchSpec, LoadMetrics, Platform,  # noqa: F401
@@ -41,7 +40,7 @@ Measure = Callable[..., TrialOutcome]
 
 
 def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    progress.log(message)   # above the live status line, when one is shown
 
 
 # ---------------------------------------------------------------- environment of a study
@@ -538,8 +537,7 @@ class Tuner:
                 return "predicted_infeasible"
 
         k = self.launched_count(study) + 1
-        log(f"[trial {trial.number} | launch {k}/{n_target}{_eta(started, k, n_target)}] "
-            + " ".join(launch_params.vllm_flags()))
+        progress.begin(trial.number, k, flags=" ".join(launch_params.vllm_flags()))
         trial_dir = self.cfg.results_path / "trials" / str(trial.number)
         trial_dir.mkdir(parents=True, exist_ok=True)
         spec = launch_spec(self.cfg, self.platform, self.model, self.extra_args, launch_params,
@@ -638,6 +636,7 @@ class Tuner:
             log(f"study {self.cfg.name} already holds {done} launched trials (asked {n_trials})")
         started = time.monotonic()
         asks_without_launch = errors_in_a_row = busy_in_a_row = 0
+        progress.start(n_trials, done, enabled=self.progress)
         try:
             while True:
                 self.replicate_baselines(study)
@@ -666,6 +665,8 @@ class Tuner:
         except (TunerError, KeyboardInterrupt):
             report.write_all(study, self.cfg)  # what was measured lands in results/ on the way out
             raise
+        finally:
+            progress.stop()
         report.write_all(study, self.cfg)
         return study
 
@@ -688,7 +689,8 @@ class Tuner:
         params = space.scaled(space.suggest(t, self.cfg.dimensions), self.scale)
         done = sum(1 for r in runs if r.get("kind") == kind)
         while done < count:
-            log(f"[{kind} of trial {number}: run {done + 1}/{count}] " + " ".join(params.vllm_flags()))
+            progress.begin(number, what=f"{kind} {done + 1}/{count}",
+                           flags=" ".join(params.vllm_flags()))
             folder = self.cfg.results_path / "trials" / str(number)
             folder.mkdir(parents=True, exist_ok=True)
             spec = launch_spec(self.cfg, self.platform, self.model, self.extra_args, params,
@@ -806,13 +808,6 @@ def _alive(pid) -> bool:
 
     cmdline = _cmdline(int(pid))
     return "tuner" in cmdline or not cmdline
-
-
-def _eta(started: float, k: int, n: int) -> str:
-    if k <= 1:
-        return ""
-    per = (time.monotonic() - started) / (k - 1)
-    return f" | ETA {per * (n - k + 1) / 60:.0f} min"
 
 
 def describe(t: FrozenTrial) -> str:
