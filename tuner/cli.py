@@ -362,7 +362,10 @@ def cmd_doctor(args) -> int:
         lines.append(f"engine     {' '.join(platform.engine)}")
     except TunerError as e:
         lines.append(f"engine     PROBLEM: {e}")
-    lines.append(f"vLLM       {platform.vllm_version or 'unknown (not installed in this Python)'}")
+    from tuner import engines
+
+    label = engines.get(cfg.engine_name).label
+    lines.append(f"{label:<10} {platform.vllm_version or 'unknown (not installed in this Python)'}")
     model, extra = None, cfg.extra_args
     try:
         model, extra = resolve_model(cfg, fetch=False)  # a check: never a download

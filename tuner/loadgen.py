@@ -30,9 +30,10 @@ from tuner.plan import closed_levels, default_levels, load_plan, ttft_level_name
 from tuner.records import Level, PhaseResult, RequestResult, Workload  # noqa: F401,E402
 
 
-# /metrics samples kept per phase: the engine's names (gauges combined across label sets by max,
-# counters by sum)
-from tuner.engines.vllm import SERVER_COUNTERS, SERVER_GAUGES  # noqa: E402
+# /metrics samples kept per phase are the engine's names (gauges combined across label sets by
+# max, counters by sum); vLLM's stay importable from here
+from tuner import engines  # noqa: E402
+from tuner.engines.vllm import SERVER_COUNTERS, SERVER_GAUGES  # noqa: E402,F401
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -210,12 +211,13 @@ async def stream_request(session: aiohttp.ClientSession, url: str, payload: byte
 
 # ---------------------------------------------------------------- server-side metrics
 
-def parse_prometheus(text: str) -> tuple[tuple[str, float], ...]:
-    """The SERVER_GAUGES (max over label sets) and SERVER_COUNTERS (sum) found in Prometheus text."""
-    gauges, counters = set(SERVER_GAUGES), set(SERVER_COUNTERS)
+def parse_prometheus(text: str, engine: str | None = None) -> tuple[tuple[str, float], ...]:
+    """The engine's server gauges (max over label sets) and counters (sum) found in Prometheus text."""
+    eng = engines.get(engine)
+    gauges, counters, prefix = set(eng.server_gauges), set(eng.server_counters), eng.metric_prefix
     found: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:"):
+        if not line.startswith(prefix):
             continue
         brace, space = line.find("{"), line.find(" ")
         end = brace if 0 <= brace < space or (brace >= 0 and space < 0) else space
@@ -234,22 +236,25 @@ def parse_prometheus(text: str) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(found.items()))
 
 
-async def fetch_server_metrics(session: aiohttp.ClientSession, base_url: str) -> tuple[tuple[str, float], ...]:
+async def fetch_server_metrics(session: aiohttp.ClientSession, base_url: str,
+                               engine: str | None = None) -> tuple[tuple[str, float], ...]:
     """Selected /metrics samples; () when the endpoint is missing or fails (it is a cross-check only)."""
     try:
         async with session.get(base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
             if r.status != 200:
                 return ()
-            return parse_prometheus(await r.text())
+            return parse_prometheus(await r.text(), engine)
     except (aiohttp.ClientError, OSError, TimeoutError):
         return ()
 
 
-def request_payload(model: str, prompt: str, output_tokens: int, endpoint: str = "completions") -> bytes:
-    """The JSON body of one streaming request whose output length is fixed at `output_tokens`."""
-    body: dict = {"model": model, "max_tokens": output_tokens, "min_tokens": output_tokens,
-                  "ignore_eos": True, "temperature": 0.0, "stream": True,
-                  "stream_options": {"include_usage": True}}
+def request_payload(model: str, prompt: str, output_tokens: int, endpoint: str = "completions",
+                    engine: str | None = None) -> bytes:
+    """The JSON body of one streaming request whose output length is fixed at `output_tokens`
+    (the engine says how: vLLM's min_tokens and ignore_eos)."""
+    body: dict = {"model": model, "max_tokens": output_tokens,
+                  **engines.get(engine).fixed_output(output_tokens),
+                  "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -267,11 +272,12 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
                     concurrency: int, chat: bool = False, timeout_s: float = 300.0,
                     request_rate: float | None = None, seed: int = 0, metrics_poll_s: float | None = None,
                     progress: bool = True, clock: Callable[[], float] = time.perf_counter,
-                    endpoint: str = "completions") -> PhaseResult:
+                    endpoint: str = "completions", engine: str | None = None) -> PhaseResult:
     """Send `payloads` closed-loop at `concurrency`, or open-loop Poisson at `request_rate` (in-flight
     capped at `concurrency`), reading /metrics before, during (gauge peaks) and after."""
     url = endpoint_url(base_url, endpoint)
-    before = await fetch_server_metrics(session, base_url)
+    gauges = set(engines.get(engine).server_gauges)
+    before = await fetch_server_metrics(session, base_url, engine)
     peaks: dict[str, float] = {}
     stop = asyncio.Event()
 
@@ -284,8 +290,8 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
                 return
             except TimeoutError:
                 pass
-            for k, v in await fetch_server_metrics(session, base_url):
-                if k in SERVER_GAUGES:
+            for k, v in await fetch_server_metrics(session, base_url, engine):
+                if k in gauges:
                     peaks[k] = max(peaks.get(k, v), v)
 
     bar = RequestProgress(name, len(payloads), progress)
@@ -328,13 +334,13 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
     if poller is not None:
         stop.set()
         await poller
-    after = await fetch_server_metrics(session, base_url)
+    after = await fetch_server_metrics(session, base_url, engine)
     return PhaseResult(name=name, concurrency=concurrency, wall_s=wall, requests=tuple(results),
                        server_metrics_before=before, server_metrics_after=after,
                        server_metrics_peak=tuple(sorted(peaks.items())), request_rate=request_rate)
 
 
-def new_session(concurrency: int, trust_env: bool = False) -> aiohttp.ClientSession:
+def new_session(concurrency: int, trust_env: bool = False, engine: str | None = None) -> aiohttp.ClientSession:
     """One client session with room for every stream plus the /metrics poller (call inside a loop).
 
     trust_env stays off: with it aiohttp looks up proxies and .netrc on every request, which adds
@@ -342,14 +348,18 @@ def new_session(concurrency: int, trust_env: bool = False) -> aiohttp.ClientSess
     """
     # vLLM started with VLLM_API_KEY in its environment refuses /v1/* without the key; the key
     # comes from the tuner's environment only (study files may not hold it) and is never logged
-    key = os.environ.get("VLLM_API_KEY")
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 4), trust_env=trust_env,
+    eng = engines.get(engine)
+    key = os.environ.get(eng.api_key_env)
+    # a server that closes a connection after a streamed response (llama.cpp's) must get a new
+    # one per request: a reused one fails with "Can not write request body"
+    connector = aiohttp.TCPConnector(limit=concurrency + 4, force_close=not eng.keep_alive)
+    return aiohttp.ClientSession(connector=connector, trust_env=trust_env,
                                  timeout=aiohttp.ClientTimeout(total=None),
                                  headers={"Authorization": f"Bearer {key}"} if key else None)
 
 
 async def run_load_test_async(base_url: str, model: str, workload: Workload,
-                              progress: bool = True) -> tuple[PhaseResult, ...]:
+                              progress: bool = True, engine: str | None = None) -> tuple[PhaseResult, ...]:
     """Warm-up, then every level of the workload's plan; one session per level, prompts built first.
 
     The plan depends on the workload alone, never on the config under test, so every config meets
@@ -363,28 +373,28 @@ async def run_load_test_async(base_url: str, model: str, workload: Workload,
         top = max((lv.concurrency for lv in plan if lv.request_rate is None), default=1)
         plan = (Level("warmup", max(1, min(top, w.warmup_requests)), w.warmup_requests),) + plan
     run_progress.phase("building prompts")
-    async with new_session(16) as session:
+    async with new_session(16, engine=engine) as session:
         prompts = await build_prompts(session, base_url, model, sum(lv.requests for lv in plan),
-                                      w.prompt_tokens, w.endpoint, seed=w.seed)
+                                      w.prompt_tokens, w.endpoint, seed=w.seed, engine=engine)
     phases = []
     used = 0
     for lv in plan:
         mine, used = prompts[used:used + lv.requests], used + lv.requests
-        payloads = [request_payload(model, p, w.output_tokens, w.endpoint) for p in mine]
-        async with new_session(lv.concurrency) as session:
+        payloads = [request_payload(model, p, w.output_tokens, w.endpoint, engine) for p in mine]
+        async with new_session(lv.concurrency, engine=engine) as session:
             phases.append(await run_phase(session, base_url, lv.name, payloads,
                                           concurrency=lv.concurrency, chat=chat,
                                           timeout_s=w.request_timeout_s, request_rate=lv.request_rate,
                                           seed=w.seed, metrics_poll_s=w.metrics_poll_s,
-                                          progress=progress, endpoint=w.endpoint))
+                                          progress=progress, endpoint=w.endpoint, engine=engine))
     run_progress.phase("stopping")   # the caller stops the server next
     return tuple(phases)
 
 
 def run_load_test(base_url: str, model: str, workload: Workload,
-                  progress: bool = True) -> tuple[PhaseResult, ...]:
+                  progress: bool = True, engine: str | None = None) -> tuple[PhaseResult, ...]:
     """Warm-up and every level of the workload against a ready server (synchronous wrapper)."""
-    return run_async(run_load_test_async(base_url, model, workload, progress))
+    return run_async(run_load_test_async(base_url, model, workload, progress, engine))
 
 
 def run_async(coro):

@@ -44,7 +44,8 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
         if isinstance(ready, LaunchFailure):
             return replace(base, failure=ready, **_peaks(sampler))
         t1 = time.monotonic()
-        phases = run_load_test(server.base_url, spec.model, workload, progress=progress)
+        phases = run_load_test(server.base_url, spec.model, workload, progress=progress,
+                               engine=spec.engine)
         metrics = summarize(phases, workload)
         return replace(base, capacity=ready, metrics=metrics, load_s=time.monotonic() - t1,
                        server_exit_code=server.returncode, **_peaks(sampler))

@@ -47,16 +47,18 @@ def log(message: str) -> None:
 
 
 def detect_platform(cfg: StudyConfig) -> Platform:
-    from tuner import feasibility, gpu, launcher
+    from tuner import feasibility, gpu
 
-    engine = tuple(cfg.engine) or tuple(launcher.default_engine_cmd())
+    eng = engines.get(cfg.engine_name)
+    engine = tuple(cfg.engine) or tuple(eng.default_cmd())
+    version = vllm_version() if eng.name == "vllm" else eng.version()
     devices = gpu.gpus(cfg.env)   # the GPUs the server sees, [0] its own
     if devices:
         d = devices[0]
         return Platform("cuda", d.name, d.memory_total_bytes, d.memory_bandwidth_gbps, engine,
-                        vllm_version())
-    return Platform("cpu", "CPU (vLLM CPU build)", feasibility.device_memory_bytes("cpu"), None,
-                    engine, vllm_version())
+                        version)
+    return Platform("cpu", f"CPU ({eng.label} CPU build)", feasibility.device_memory_bytes("cpu"), None,
+                    engine, version)
 
 
 def vllm_version() -> str:
@@ -76,7 +78,8 @@ from tuner.checkpoint import resolve_model  # noqa: E402,F401  (moved; callers i
 def launch_spec(cfg: StudyConfig, platform: Platform, model: str, extra_args: tuple[str, ...],
                 params: space.ServerParams, log_path: Path) -> LaunchSpec:
     """The LaunchSpec of one config of this study (trials, confirmations and `measure` alike)."""
-    return LaunchSpec(model=model, params=params, extra_args=extra_args, engine_cmd=platform.engine,
+    return LaunchSpec(model=model, params=params, engine=cfg.engine_name, extra_args=extra_args,
+                      engine_cmd=platform.engine,
                       host=cfg.host, env=cfg.env, launch_timeout_s=cfg.launch_timeout_s,
                       log_path=str(log_path))
 
@@ -318,7 +321,7 @@ class Tuner:
         if measure is None:
             from tuner.launcher import check_engine_cmd
 
-            check_engine_cmd(self.platform.engine)
+            check_engine_cmd(self.platform.engine, engines.get(cfg.engine_name).label)
             from tuner.measure import measure_config
             measure = measure_config
         self.measure_is_real = real
@@ -371,6 +374,10 @@ class Tuner:
         if read is not None:
             return read, f"read from vLLM {read.get('vllm_version', '')} on this device"
         defaults = {f.name: f.default for f in engines.flags()}
+        if "ctx_size" in defaults and defaults["ctx_size"] is None and (Path(self.model) / "config.json").exists():
+            # llama-server's -c 0: the model's training context
+            defaults["ctx_size"] = json.loads((Path(self.model) / "config.json").read_text()).get(
+                "max_position_embeddings")
         if self.memory_model is not None:  # what this vLLM picks on this device, model and flags
             r = self.memory_model.resolve(space.ServerParams())
             defaults.update(max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
@@ -494,15 +501,16 @@ class Tuner:
             return "duplicate"
         launch_params = space.scaled(params, self.scale)
         w = self.cfg.workload
-        if params.max_model_len is not None and params.max_model_len < w.prompt_tokens + w.output_tokens:
+        longest = engines.get().request_context(params.values())   # vLLM: max_model_len
+        if longest is not None and longest < w.prompt_tokens + w.output_tokens:
             # every request of the workload would be refused for length: no launch, a constraint
             trial.set_user_attr("failure", "predicted_infeasible")
-            trial.set_user_attr("failure_message", f"max_model_len {params.max_model_len} < the "
+            trial.set_user_attr("failure_message", f"{engines.get().request_context_name} {longest} < the "
                                 f"workload's {w.prompt_tokens} + {w.output_tokens} tokens per request")
             for key in CONSTRAINTS:
                 trial.set_constraint(key, 0.0)
             trial.set_constraint("load_test", (w.prompt_tokens + w.output_tokens)
-                                 / params.max_model_len - 1)
+                                 / max(longest, 1) - 1)
             study.tell(trial, penalty_values(self.cfg, study))
             return "predicted_infeasible"
         failed = self.known_infeasible(study, params)
