@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tuner import export, report
+from tuner import engines, export, report
 from tuner.config import StudyConfig
 from tuner.report import LABELS, OBJECTIVES
 
@@ -160,9 +160,9 @@ def figure(draw, name: str, caption: str) -> str:
 
 def params_of(df: pd.DataFrame, cfg: StudyConfig) -> list[tuple[str, str, int | None]]:
     """The searched flags present in the frame, as table columns."""
-    names = [d.name for d in cfg.dimensions] or list(report.PARAMS)
-    digits = {"gpu_memory_utilization": 2}
-    return [(n, n.replace("_", "-"), digits.get(n, 0)) for n in names
+    names = [d.name for d in cfg.dimensions] or list(report.param_columns())
+    floats = {f.name for f in engines.flags() if f.kind == "float"}   # gpu_memory_utilization
+    return [(n, n.replace("_", "-"), 2 if n in floats else 0) for n in names
             if n in df.columns and df[n].notna().any()]
 
 
@@ -345,7 +345,8 @@ def trials_section(cfg: StudyConfig, df: pd.DataFrame, params) -> str:
                                          ("preemptions", "preemptions", 0),
                                          ("launch_s", "launch s", 1)]
     body = f'<div class="wide">{table(df, cols, "trials", _Marks())}</div>'
-    if len(df) and df["max_model_len"].notna().any():
+    fx, _, _ = report._map_flags(df)   # the engine's memory-demand flag (vLLM: max_model_len)
+    if len(df) and fx is not None and df[fx.name].notna().any():
         body += figure(lambda p: report.plot_parameters(df, p, cfg.name), "parameters",
                        caption="where configs fit, and parallel coordinates of flags and objectives")
     return section("trials-section", "Every trial", body)
