@@ -65,3 +65,35 @@ def test_a_trace_study_resolves_the_shipped_trace_and_draws_only_its_lengths():
 def test_a_bad_mix_names_its_key():
     with pytest.raises(ConfigError, match="prompt_tokens_mix"):
         study(workload={"length_mix": "normal", "prompt_tokens_mix": [100]})
+
+
+class _Trial:
+    def __init__(self):
+        self.attrs, self.constraints = {}, {}
+
+    def set_user_attr(self, k, v):
+        self.attrs[k] = v
+
+    def set_constraint(self, k, v):
+        self.constraints[k] = v
+
+
+def test_a_kv_cache_short_of_the_required_sequences_violates_the_requirement():
+    from tuner.records import Capacity, LaunchFailure, LoadMetrics, TrialOutcome
+    from tuner.space import ServerParams
+    from tuner.study import record_outcome
+
+    cfg = study(requirement={"context_tokens": 16384, "sequences_at_context": 4})
+    m = LoadMetrics(single_stream_tok_s=50.0, throughput_tok_s=900.0, ttft_ms=80.0)
+    t = _Trial()
+    record_outcome(t, cfg, TrialOutcome(ServerParams(0.9, 16384, 8), capacity=Capacity(kv_cache_tokens=40000),
+                                        metrics=m), {}, (0.0, 0.0, 1e5))
+    assert t.attrs["sequences_at_context"] == 2 and t.attrs["failure"] == "requirement_not_met"
+    assert t.constraints["requirement"] > 0
+    t = _Trial()
+    died = LaunchFailure(kind="oom", message="torch.OutOfMemoryError: CUDA out of memory")
+    values = record_outcome(t, cfg, TrialOutcome(ServerParams(0.9, 16384, 8), capacity=Capacity(kv_cache_tokens=90000),
+                                                 metrics=m, server_exit_code=1, died_under_load=died),
+                            {}, (0.0, 0.0, 1e5))
+    assert t.attrs["failure"] == "oom_under_load" and t.constraints["memory"] > 0
+    assert values == (0.0, 0.0, 1e5) and t.constraints["requirement"] == 0.0
