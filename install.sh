@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install tuner with vLLM's CPU build into ./.venv (or $VENV), ready for the demo and the tests.
+# Install tuner with vLLM's CPU build and llama.cpp's server (the xllamacpp wheel, CPU build) into
+# ./.venv (or $VENV), ready for the demos and the tests.
 #   bash install.sh            CPU build (no GPU needed)
 #   TUNER_EXTRA=gpu bash install.sh   CUDA vLLM instead, for a GPU machine
 set -euo pipefail
@@ -21,4 +22,4 @@ if [ "$EXTRA" = cpu ]; then
     # break it at import ("operator torchvision::nms does not exist"); the text-only server needs none.
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"$VENV/bin/python" -c "import vllm, optuna; print('tuner: installed vllm', vllm.__version__, 'optuna', optuna.__version__)"
+"$VENV/bin/python" -c "import vllm, optuna, xllamacpp; print('tuner: installed vllm', vllm.__version__, 'optuna', optuna.__version__, 'xllamacpp (llama.cpp server)', xllamacpp.__version__)"

@@ -25,6 +25,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def _engine_in_use_is_vllm():
+    """Each test starts with vLLM as the engine in use (a llama.cpp study or test switches it)."""
+    from tuner import engines
+
+    engines.use("vllm")
+    yield
+    engines.use("vllm")
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     return str(TINY_MODEL)

@@ -93,6 +93,35 @@ class FakeDevice:
             max_concurrency=tokens / p.max_model_len))
 
 
+@dataclass
+class FakeCurveDevice(FakeDevice):
+    """FakeDevice whose load test also reports every level of the workload's plan (each config's
+    load curve: throughput saturates at min(concurrency, max-num-seqs, 16), TTFT queues beyond
+    max-num-seqs); `during(launch_number)` runs while the launch is under way (its trial RUNNING)."""
+
+    during: object = None
+
+    def __call__(self, spec, workload, on_started=None, progress=False) -> TrialOutcome:
+        from tuner.plan import load_plan
+        from tuner.records import LevelMetrics
+
+        out = super().__call__(spec, workload, on_started, progress)
+        if self.during is not None:
+            self.during(len(self.launches))
+        if out.metrics is None:
+            return out
+        seqs = spec.params.max_num_seqs
+        scale = out.metrics.throughput_tok_s / (100.0 * min(seqs, 16))   # this launch's noise
+        levels = tuple(LevelMetrics(
+            name=lv.name, concurrency=lv.concurrency, requests=lv.requests, steady=True,
+            throughput_tok_s=scale * 100.0 * min(lv.concurrency, seqs, 16),
+            ttft_ms=10.0 * max(1.0, lv.concurrency / seqs) + 0.37 * lv.concurrency,
+            ttft_ms_p90=12.0 * max(1.0, lv.concurrency / seqs) + 0.5 * lv.concurrency,
+            tpot_ms=10.0 + 0.123 * min(lv.concurrency, seqs),
+            e2e_ms_p90=100.0 + 3.3 * lv.concurrency) for lv in load_plan(workload))
+        return replace(out, metrics=replace(out.metrics, levels=levels))
+
+
 # ---------------------------------------------------------------- a fake NVML (pynvml patched)
 
 GIB = 2**30

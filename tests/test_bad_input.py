@@ -380,3 +380,16 @@ def test_fit_space_to_model_clips_ranges_on_their_step():
     assert (dim.low, dim.high) == (1000, 32000) and len(said) == 1
     assert fit_space_to_model(fitted, {"max_position_embeddings": 32768}, warn=said.append) == fitted
     assert len(said) == 1
+
+
+def test_unknown_engine_name_is_refused(tmp_path, model):
+    doc = with_(good_doc(tmp_path, model), "server", engine="sglang-nope")
+    p = run_cli(tmp_path, fk.to_toml(doc))
+    assert_refused(tmp_path, p, "server.engine", "unknown engine 'sglang-nope'", '"vllm" or "llamacpp"')
+
+
+def test_a_vllm_flag_in_a_llamacpp_space_is_refused(tmp_path, model):
+    doc = with_(good_doc(tmp_path, model), "server", engine="llamacpp")
+    p = run_cli(tmp_path, fk.to_toml(doc))
+    # the fake study searches gpu_memory_utilization, which llama.cpp has no counterpart for
+    assert_refused(tmp_path, p, "space.gpu_memory_utilization", "not a tunable flag", "ctx_size")

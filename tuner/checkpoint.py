@@ -234,6 +234,12 @@ def resolve_model(cfg, fetch: bool = True, quiet: bool = False) -> tuple[str, tu
         else:
             raise ModelNotFound(model, "neither a folder nor an HF id",
                                 "give a folder with config.json, an HF id (org/name) or preset:NAME")
+    if getattr(cfg, "engine_name", "vllm") != "vllm":
+        # another engine serves a weightless folder its own way (llama.cpp: a GGUF with random
+        # weights written for it, tuner.engines.llamacpp_gguf) and takes no vLLM dtype flag
+        if weightless and not quiet:
+            log_once(f"model {model}: no weights in {path}: served with random weights")
+        return path, tuple(extra)
     if weightless and "--load-format" not in extra:
         extra += ["--load-format", "dummy"]
         if not quiet:

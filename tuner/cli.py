@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no live load-test lines")
     add_study_options(run)
 
-    report = command("report", "rebuild results/NAME/ (CSV files, plots, best command) from storage",
+    report = command("report", "rebuild results/NAME/ (CSV files, plots, best command, report.html) "
+                     "from storage, also while a run is going",
                      "  python -m tuner report\n  python -m tuner report --study studies/h200.toml\n")
     add_study_options(report, tuning=False)
 
@@ -252,7 +253,7 @@ def print_summary(study, cfg) -> None:
     print(f"Pareto set ({len(front)} configs):", file=sys.stderr)
     print(report.table(front), file=sys.stderr)
     print(f"results: {cfg.results_path}/ (trials.csv, pareto.csv, levels.csv, noise.json, "
-          "pareto.png, curves.png, parameters.png, best-command.sh)", file=sys.stderr)
+          "pareto.png, curves.png, parameters.png, best-command.sh, report.html)", file=sys.stderr)
     if len(front):
         print(export.command(export.choose(front, "balanced", df.attrs.get("noise"),
                                            cfg.tie_tolerance), study, cfg))
@@ -361,7 +362,10 @@ def cmd_doctor(args) -> int:
         lines.append(f"engine     {' '.join(platform.engine)}")
     except TunerError as e:
         lines.append(f"engine     PROBLEM: {e}")
-    lines.append(f"vLLM       {platform.vllm_version or 'unknown (not installed in this Python)'}")
+    from tuner import engines
+
+    label = engines.get(cfg.engine_name).label
+    lines.append(f"{label:<10} {platform.vllm_version or 'unknown (not installed in this Python)'}")
     model, extra = None, cfg.extra_args
     try:
         model, extra = resolve_model(cfg, fetch=False)  # a check: never a download

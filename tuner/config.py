@@ -76,7 +76,8 @@ class StudyConfig:
     source: str                               # the study file, for messages
     model: str                                # folder, HF id or preset:NAME
     extra_args: tuple[str, ...] = ()          # fixed vLLM flags
-    engine: tuple[str, ...] = ()              # engine command; () = detect
+    engine: tuple[str, ...] = ()              # engine command; () = the engine's default
+    engine_name: str = "vllm"                 # which engine (tuner.engines.NAMES)
     env: tuple[tuple[str, str], ...] = ()
     host: str = "127.0.0.1"
     launch_timeout_s: float = 600.0
@@ -428,7 +429,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         source, "study")
     model = _take(top.get("model", {}), {"path": str}, source, "model")
     server = _take(top.get("server", {}), {
-        "extra_args": (list, str), "engine": (list, str), "env": dict, "host": str,
+        "extra_args": (list, str), "engine": (list, str), "command": (list, str), "env": dict, "host": str,
         "launch_timeout_s": float, "memory_budget_gib": float, "gpu_busy_wait_s": float},
         source, "server")
     workload_fields = {f.name: f.type for f in fields(Workload)}
@@ -481,6 +482,23 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         if re.search(r"(^|_)(API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD)S?$", k.upper()):
             raise _fail(source, f"server.env.{k}", "secrets do not belong in a study file",
                         "export it in the environment instead; it is passed through")
+
+    # `engine = "llamacpp"` names the engine; a list (`engine = ["vllm", "serve"]`) is its command,
+    # as before engines had names; `command` is the command of the named engine
+    engine_name = server.get("engine") if isinstance(server.get("engine"), str) else engines.DEFAULT
+    if engine_name not in engines.NAMES:
+        raise _fail(source, "server.engine", f"unknown engine {engine_name!r}",
+                    "choose " + " or ".join(f'"{n}"' for n in engines.NAMES)
+                    + " (a command goes in [server] command)")
+    engines.use(engine_name)
+    if "engine" in overrides:
+        command = argv("engine")
+    elif "command" in server:
+        command = argv("command")
+    elif isinstance(server.get("engine"), list):
+        command = argv("engine")
+    else:
+        command = ()
 
     space = top.get("space", {})
     dims = tuple(_dimension(k, v, source) for k, v in space.items())
@@ -549,7 +567,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
 
     return StudyConfig(
         name=name, source=source, model=model_path, extra_args=argv("extra_args"),
-        engine=argv("engine"), env=tuple(sorted(env.items())),
+        engine=command, engine_name=engine_name, env=tuple(sorted(env.items())),
         host=overrides.get("host") or server.get("host", "127.0.0.1"),
         launch_timeout_s=float(timeout), memory_budget_gib=budget, dimensions=dims,
         baselines=tuple(baselines), workload=wl, requirement=req,

@@ -224,6 +224,9 @@ def exported(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False) -> 
     the value for the target card; --load-format dummy only with `keep_dummy`, else the model
     the dummy weights stood in for (a preset's published checkpoint).
     """
+    eng = engines.get(cfg.engine_name if cfg is not None else None)
+    if eng.name != "vllm":
+        return _exported_by_engine(eng, row, cfg)
     tokens = _trial_tokens(row, study, cfg)
     parsed = split_engine(tokens)
     if parsed is None:  # an engine the export cannot read: rebuild from the study
@@ -271,6 +274,27 @@ def exported(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False) -> 
                     placeholder)
 
 
+def _exported_by_engine(eng, row: pd.Series, cfg) -> Exported:
+    """Another engine's command, as that engine writes it: its program, the model, the trial's
+    flags and --host (no --port, no environment secrets), from the trial's argv or its params."""
+    command = _attr(row, "command")
+    parsed = eng.split_command(shlex.split(command)) if command else None
+    if parsed is None:
+        values = measured_params(row).values()
+        parsed = (_attr(row, "model") or (cfg.model if cfg else MODEL_PLACEHOLDER),
+                  [*engines.flag_argv(eng.flags, values), *(cfg.extra_args if cfg else ())])
+    model, flags = parsed
+    flags, _ports = _take(list(flags), "--port")
+    flags, hosts = _take(flags, "--host")
+    host = hosts[-1] if hosts else (cfg.host if cfg is not None else DEFAULT_HOST)
+    model, note = eng.exported_model(model)
+    notes = (note,) if note else ()
+    env = tuple(sorted(cfg.env)) if cfg is not None else ()
+    env = tuple((k, v) for k, v in env if not _SECRET_NAME.search(k.upper()))
+    return Exported((*eng.export_cmd, model, *flags, "--host", host), env, notes,
+                    model == MODEL_PLACEHOLDER)
+
+
 def argv(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False) -> list[str]:
     """The exported `vllm serve ...` argv (no environment)."""
     return list(exported(row, study, cfg, keep_dummy).argv)
@@ -299,7 +323,8 @@ def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False) -> str:
     figures = ", ".join(f"{k} {float(row[k]):.1f}" for k in OBJECTIVES if pd.notna(row.get(k)))
     lines = ["#!/bin/sh", f"# tuner study {study.study_name}, trial {int(row['trial'])}: {figures}"]
     lines += [f"# {n}" for n in e.notes]
-    lines.append(f"# serves on vLLM's default port {VLLM_DEFAULT_PORT}; add --port N to change it")
+    eng = engines.get(cfg.engine_name if cfg is not None else None)
+    lines.append(f"# serves on {eng.label}'s default port {eng.default_port}; add --port N to change it")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in e.env]
     argv_text = shlex.join(e.argv)
     if e.placeholder:

@@ -1,24 +1,24 @@
-"""vLLM server lifecycle: start in its own process group, watch the log, classify failures, stop."""
+"""Server lifecycle, engine-neutral: start an engine's argv in its own process group, watch its log with the engine's classifier, probe readiness, stop."""
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
 import http.client
-import importlib.metadata
 import os
-import re
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from tuner.engines.base import log_tail, root_cause as _root_cause
+# vLLM's log knowledge lives in its engine; importers of tuner.launcher still find it here
+from tuner.engines.vllm_logs import (FAILURE_PATTERNS, FailurePattern, classify,  # noqa: F401
+                                     parse_cache_config_info, parse_capacity)
 from tuner.errors import TunerError
 # the records moved to tuner.records; importers of tuner.launcher still find them here
 from tuner.records import MEMORY_FAILURES, Capacity, LaunchFailure, LaunchSpec  # noqa: F401
@@ -27,247 +27,44 @@ from tuner.records import MEMORY_FAILURES, Capacity, LaunchFailure, LaunchSpec  
 class EngineNotFound(TunerError):
     """The configured engine command cannot be run on this machine."""
 
-    def __init__(self, engine_cmd: tuple[str, ...]):
+    def __init__(self, engine_cmd: tuple[str, ...], label: str = "vLLM"):
         self.engine_cmd = engine_cmd
         super().__init__(f"engine command {' '.join(engine_cmd)!r} is not installed: "
                          f"{engine_cmd[0]!r} is not on PATH (set the study's engine command "
-                         f"or install vLLM)")
-
-
-# ---------------------------------------------------------------------------------------------
-# Classification. One table; order matters (the first kind whose pattern matches wins), and each
-# pattern is written against vLLM 0.24 (GPU) and 0.32 (CPU build) wording, tolerant of small
-# differences (commas in numbers, optional parentheses).
-
-
-@dataclass(frozen=True)
-class FailurePattern:
-    kind: str
-    regex: re.Pattern[str]
-    needed_group: str | None = None      # named group holding the needed GiB
-    available_group: str | None = None   # named group holding the available GiB
-    source: str = ""                     # where vLLM prints it
-
-
-FAILURE_PATTERNS: tuple[FailurePattern, ...] = (
-    FailurePattern(
-        "kv_cache_too_small",
-        re.compile(r"To serve at least one request with the model'?s max seq len\s*\(\s*[\d,]+\s*\),?\s*"
-                   r"\(?\s*(?P<needed>[\d.,]+)\s*GiB KV cache is needed, which is larger than the "
-                   r"available KV cache memory\s*\(\s*(?P<available>-?[\d.,]+)\s*GiB\)"),
-        "needed", "available", "vllm/v1/core/kv_cache_utils.py _check_enough_kv_cache_memory"),
-    FailurePattern(
-        # older wording (vLLM < 0.7): no GiB figures, only token counts
-        "kv_cache_too_small",
-        re.compile(r"max seq len \([\d,]+\) is larger than the maximum number of tokens that can be "
-                   r"stored in KV cache"),
-        source="vllm/engine (old)"),
-    FailurePattern(
-        "no_cache_blocks",
-        re.compile(r"No available memory for the cache blocks"),
-        source="vllm/v1/core/kv_cache_utils.py"),
-    FailurePattern(
-        # CPU build, requested kv <= 0: gpu-memory-utilization does not even hold the weights.
-        # Must precede the positive case below.
-        "no_cache_blocks",
-        re.compile(r"Available memory on node \d+ \(\s*(?P<available>-?[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
-                   r"on kv cache allocation is less than requested memory for kv "
-                   r"\(\s*(?P<needed>-[\d.,]+|0(?:\.0+)?)\s*(?:/\s*[\d.,]+\s*)?GiB\)"),
-        "needed", "available", "vllm/v1/worker/cpu_worker.py determine_available_memory"),
-    FailurePattern(
-        "insufficient_free_memory",
-        re.compile(r"Available memory on node \d+ \(\s*(?P<available>-?[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
-                   r"on kv cache allocation is less than requested memory for kv "
-                   r"\(\s*(?P<needed>[\d.,]+)\s*(?:/\s*[\d.,]+\s*)?GiB\)"),
-        "needed", "available", "vllm/v1/worker/cpu_worker.py determine_available_memory"),
-    FailurePattern(
-        "no_cache_blocks",
-        re.compile(r"Externally held weights on device .*?exceed the desired GPU memory utilization"),
-        source="vllm/v1/worker/utils.py"),
-    FailurePattern(
-        "insufficient_free_memory",
-        re.compile(r"Free memory on device\s*\S*\s*\(\s*(?P<available>[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
-                   r"on startup is less than (?:desired GPU memory utilization|the engine's budget)"
-                   r"[^(]*\(\s*[\d.]+\s*,\s*(?P<needed>[\d.,]+)\s*GiB\)"),
-        "needed", "available", "vllm/v1/worker/utils.py request_memory"),
-    FailurePattern(
-        "insufficient_free_memory",
-        re.compile(r"Available memory on node \d+ \(\s*(?P<available>[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
-                   r"on startup is less than desired CPU memory utilization "
-                   r"\(\s*[\d.]+\s*,\s*(?P<needed>[\d.,]+)\s*GiB\)"),
-        "needed", "available", "vllm/v1/worker/cpu_worker.py init_device"),
-    FailurePattern(
-        "oom",
-        re.compile(r"(?:CUDA|HIP|XPU) out of memory|OutOfMemoryError\b|CUDA error: out of memory|"
-                   r"DefaultCPUAllocator: can.t allocate memory"),
-        source="torch"),
-    FailurePattern(
-        "cpu_offload",
-        re.compile(r"Total CPU offloaded parameters:?\s*(?P<needed>[\d.,]*[1-9][\d.,]*)"),
-        "needed", None, "vllm/model_executor/offloader/uva.py"),
-    FailurePattern(
-        "port_in_use",
-        re.compile(r"Address already in use|\[Errno 98\]|error while attempting to bind on address"),
-        source="uvicorn / socket"),
-)
-
-# Lines after which vLLM will not become ready even though no table pattern names the cause.
-_FATAL_MARKERS = re.compile(r"Engine core initialization failed|EngineCore failed to start|"
-                            r"Engine process failed to start|EngineDeadError")
-_ESTIMATED_LEN = re.compile(r"estimated maximum model length is\s*([\d,]+)")
-_TORCH_OOM_NEEDED = re.compile(r"Tried to allocate\s*([\d.,]+)\s*(GiB|MiB)")
-_TORCH_OOM_FREE = re.compile(r"of which\s*([\d.,]+)\s*(GiB|MiB)\s*is free")
-_EXCEPTION_LINE = re.compile(r"^\s*(?:\([^)]*pid=\d+\)\s*)?(?:ERROR\s+[\d-]+\s+[\d:.]+\s+\[[^\]]*\]\s*)?"
-                             r"[\w.]*(?:Error|Exception):\s.*$", re.M)
-_TAIL_LINES = 40
-
-
-def _number(text: str) -> float:
-    return float(text.replace(",", ""))
-
-
-def _gib(value: str, unit: str) -> float:
-    return _number(value) / (1024.0 if unit == "MiB" else 1.0)
-
-
-def _line_at(text: str, pos: int) -> str:
-    start = text.rfind("\n", 0, pos) + 1
-    end = text.find("\n", pos)
-    return text[start:end if end >= 0 else len(text)].strip()
-
-
-def log_tail(text: str, lines: int = _TAIL_LINES) -> str:
-    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
-
-
-def classify(log_text: str) -> LaunchFailure | None:
-    """The failure a server log shows, or None if it shows none."""
-    for pattern in FAILURE_PATTERNS:
-        match = pattern.regex.search(log_text)
-        if match is None:
-            continue
-        line = _line_at(log_text, match.start())
-        needed = _number(match[pattern.needed_group]) if pattern.needed_group else None
-        available = _number(match[pattern.available_group]) if pattern.available_group else None
-        estimated = None
-        if pattern.kind == "kv_cache_too_small":
-            found = _ESTIMATED_LEN.search(line)
-            estimated = int(_number(found[1])) if found else None
-        elif pattern.kind == "oom":
-            # torch's message may span lines after the exception name; look in what follows
-            after = log_text[match.start():match.start() + 2000]
-            if (found := _TORCH_OOM_NEEDED.search(after)) is not None:
-                needed = _gib(found[1], found[2])
-            if (found := _TORCH_OOM_FREE.search(after)) is not None:
-                available = _gib(found[1], found[2])
-        return LaunchFailure(kind=pattern.kind, message=line, needed_gib=needed, available_gib=available,
-                             estimated_max_model_len=estimated, log_tail=log_tail(log_text))
-    marker = _FATAL_MARKERS.search(log_text)
-    if marker is not None:
-        return LaunchFailure(kind="crashed", message=_root_cause(log_text) or _line_at(log_text, marker.start()),
-                             log_tail=log_tail(log_text))
-    return None
-
-
-def _root_cause(log_text: str) -> str:
-    """The first exception line of the log: vLLM prints the root cause before the wrappers."""
-    found = _EXCEPTION_LINE.search(log_text)
-    return found[0].strip() if found else ""
-
-
-# ---------------------------------------------------------------------------------------------
-# Capacity.
-
-_WEIGHTS = re.compile(r"Model loading took\s*([\d.,]+)\s*GiB")
-_KV_GIB = (re.compile(r"Available KV cache memory:\s*([\d.,]+)\s*GiB"),
-           re.compile(r"(?:Auto|Explicitly) set \(\s*([\d.,]+)\s*/\s*[\d.,]+\s*\)\s*GiB for KV cache"))
-_KV_TOKENS = re.compile(r"KV cache size:\s*([\d,]+)\s*tokens")
-_CONCURRENCY = re.compile(r"Maximum concurrency for\s*[\d,]+\s*tokens per request:\s*([\d.,]+)\s*x")
-_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(.*)\}", re.M)
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def _first(regexes, text: str) -> str | None:
-    for regex in regexes:
-        if (found := regex.search(text)) is not None:
-            return found[1]
-    return None
-
-
-def parse_cache_config_info(metrics_text: str) -> tuple[tuple[str, str], ...]:
-    """Labels of the first `vllm:cache_config_info` sample of a Prometheus text page."""
-    found = _CACHE_INFO.search(metrics_text)
-    return tuple(_LABEL.findall(found[1])) if found else ()
-
-
-def _int_label(labels: dict[str, str], name: str) -> int | None:
-    try:
-        return int(labels[name])
-    except (KeyError, ValueError):
-        return None
-
-
-def parse_capacity(log_text: str, metrics_text: str = "", ready_s: float = 0.0) -> Capacity:
-    """Capacity facts from a ready server's log, completed by `/metrics` where the log lacks them."""
-    weights = _first([_WEIGHTS], log_text)
-    kv_gib = _first(_KV_GIB, log_text)
-    tokens = _first([_KV_TOKENS], log_text)
-    concurrency = _first([_CONCURRENCY], log_text)
-    cache_config = parse_cache_config_info(metrics_text)
-    labels = dict(cache_config)
-    kv_tokens = int(_number(tokens)) if tokens else _int_label(labels, "kv_cache_size_tokens")
-    max_concurrency = _number(concurrency) if concurrency else None
-    if max_concurrency is None and labels.get("kv_cache_max_concurrency", "None") != "None":
-        max_concurrency = float(labels["kv_cache_max_concurrency"])
-    return Capacity(
-        weights_gib=_number(weights) if weights else None,
-        kv_cache_gib=_number(kv_gib) if kv_gib else None,
-        kv_cache_tokens=kv_tokens,
-        max_concurrency=max_concurrency,
-        num_gpu_blocks=_int_label(labels, "num_gpu_blocks"),
-        block_size=_int_label(labels, "block_size"),
-        ready_s=ready_s,
-        cache_config=cache_config,
-    )
+                         f"or install {label})")
 
 
 # ---------------------------------------------------------------------------------------------
 # Engine command and argv.
 
-def default_engine_cmd() -> tuple[str, ...]:
-    """`vllm serve` when the `vllm` distribution and its script are installed, else the module."""
-    try:
-        importlib.metadata.distribution("vllm")
-        has_dist = True
-    except importlib.metadata.PackageNotFoundError:
-        has_dist = False
-    script = shutil.which("vllm")
-    if script is None:
-        # the script of the interpreter's own venv, even when that venv is not activated
-        candidate = Path(sys.executable).parent / "vllm"
-        script = str(candidate) if candidate.exists() else None
-    if has_dist and script:
-        return (script, "serve")
-    return (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+def _engine(spec: LaunchSpec | None = None):
+    from tuner import engines
+
+    return engines.get(spec.engine if spec is not None else None)
 
 
-def check_engine_cmd(engine_cmd: tuple[str, ...]) -> None:
+def default_engine_cmd(engine: str | None = None) -> tuple[str, ...]:
+    """The engine's command when the study names none (vLLM: `vllm serve` or its API module)."""
+    from tuner import engines
+
+    return tuple(engines.get(engine).default_cmd())
+
+
+def check_engine_cmd(engine_cmd: tuple[str, ...], label: str = "vLLM") -> None:
     """Raise `EngineNotFound` when the engine's program cannot be found."""
     program = engine_cmd[0] if engine_cmd else ""
     if not program:
-        raise EngineNotFound(("",))
+        raise EngineNotFound(("",), label)
     if os.sep in program:
         if not (os.path.isfile(program) and os.access(program, os.X_OK)):
-            raise EngineNotFound(engine_cmd)
+            raise EngineNotFound(engine_cmd, label)
     elif shutil.which(program) is None:
-        raise EngineNotFound(engine_cmd)
+        raise EngineNotFound(engine_cmd, label)
 
 
 def build_argv(spec: LaunchSpec, engine_cmd: tuple[str, ...], port: int) -> list[str]:
-    """The server's argv. `... serve` takes the model positionally; anything else takes `--model`."""
-    from tuner import engines
-
-    return engines.get().argv(engine_cmd, spec.model, spec.params.values(), spec.extra_args,
+    """The server's argv, as the spec's engine writes it."""
+    return _engine(spec).argv(engine_cmd, spec.model, spec.params.values(), spec.extra_args,
                               spec.host, port)
 
 
@@ -412,7 +209,8 @@ def _http_get(host: str, port: int, path: str, headers: dict[str, str], timeout_
 
 
 class ServerProcess:
-    """One vLLM server. Use as a context manager: leaving it always stops the whole process group.
+    """One server of the spec's engine, which gives its argv, readiness paths, log classifier and
+    capacity parser. Use as a context manager: leaving it always stops the whole process group.
 
         with ServerProcess(spec) as server:
             server.start()                    # sets server.pid, server.pgid, server.base_url
@@ -425,6 +223,8 @@ class ServerProcess:
 
     def __init__(self, spec: LaunchSpec):
         self.spec = spec
+        self.engine = _engine(spec)
+        self.classify = self.engine.classify
         self.pid: int | None = None
         self.pgid: int | None = None
         self.port: int | None = None
@@ -451,16 +251,16 @@ class ServerProcess:
     def start(self) -> None:
         if self._proc is not None:
             raise RuntimeError("server already started")
-        engine_cmd = tuple(self.spec.engine_cmd) or default_engine_cmd()
-        check_engine_cmd(engine_cmd)
+        engine_cmd = tuple(self.spec.engine_cmd) or tuple(self.engine.default_cmd())
+        check_engine_cmd(engine_cmd, self.engine.label)
         self.port = self.spec.port or free_port(self.spec.host)
         self.argv = build_argv(self.spec, engine_cmd, self.port)
         self.base_url = f"http://{self.spec.host}:{self.port}"
         if not self.log_path:
-            fd, self.log_path = tempfile.mkstemp(prefix="vllm-", suffix=".log")
+            fd, self.log_path = tempfile.mkstemp(prefix=f"{self.engine.name}-", suffix=".log")
             os.close(fd)
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **dict(self.spec.env), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.engine.env(), **dict(self.spec.env), "PYTHONUNBUFFERED": "1"}
         # the child writes the log file itself: the log is complete even if the tuner dies
         self._log_file = open(self.log_path, "wb")
         self._log_reader = open(self.log_path, "rb")
@@ -491,9 +291,9 @@ class ServerProcess:
         # re-scan from a little before, so a message that spans lines is seen whole
         window_start = max(0, self._scan_from - 4000)
         self._scan_from = end
-        if self._marker_seen_at is None and classify(text[window_start:end]) is None:
+        if self._marker_seen_at is None and self.classify(text[window_start:end]) is None:
             return None
-        failure = classify(text[:end])
+        failure = self.classify(text[:end])
         if failure is None or failure.kind != "crashed":
             return failure
         # vLLM logs "EngineCore failed to start." just before the traceback that names the cause:
@@ -519,7 +319,8 @@ class ServerProcess:
         return failure
 
     def _headers(self) -> dict[str, str]:
-        key = dict(self.spec.env).get("VLLM_API_KEY") or os.environ.get("VLLM_API_KEY")
+        name = self.engine.api_key_env
+        key = dict(self.spec.env).get(name) or os.environ.get(name)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def wait_ready(self) -> Capacity | LaunchFailure:
@@ -537,25 +338,30 @@ class ServerProcess:
             if code is not None:
                 time.sleep(0.2)  # let the last lines land
                 text = self.read_log()
-                failure = classify(text) or LaunchFailure(
+                failure = self.classify(text) or LaunchFailure(
                     kind="crashed", message=_root_cause(text) or f"server exited with code {code}")
                 return self._fail(dataclasses.replace(failure, exit_code=code))
-            status, _ = _http_get(host, port, "/health", {}, timeout_s=2.0)
-            if status == 200:
-                models_status, _ = _http_get(host, port, "/v1/models", headers, timeout_s=5.0)
-                if models_status == 200:
-                    return self._ready()
+            if self._serving(host, port, headers):
+                return self._ready()
             if time.monotonic() > deadline:
                 return self._fail(LaunchFailure(
                     kind="startup_timeout",
                     message=f"not ready after {self.spec.launch_timeout_s:g} s"))
             time.sleep(self.poll_interval_s)
 
+    def _serving(self, host: str, port: int, headers: dict[str, str]) -> bool:
+        """Every readiness path of the engine answers 200 (llama.cpp's /health is 503 while loading)."""
+        for i, path in enumerate(self.engine.readiness_paths):
+            status, _ = _http_get(host, port, path, headers if i else {}, timeout_s=2.0 if not i else 5.0)
+            if status != 200:
+                return False
+        return True
+
     def _ready(self) -> Capacity:
         ready_s = time.monotonic() - self.started_at
         self.verdict_at = time.time()
         _, metrics = _http_get(self.spec.host, self.port, "/metrics", self._headers(), timeout_s=10.0)
-        self.capacity = parse_capacity(self.read_log(), metrics, ready_s)
+        self.capacity = self.engine.parse_capacity(self.read_log(), metrics, ready_s)
         return self.capacity
 
     def stop(self, term_timeout_s: float | None = None) -> None:

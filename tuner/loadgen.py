@@ -14,6 +14,8 @@ from typing import Any
 
 import aiohttp
 
+from tuner import progress as run_progress
+from tuner.progress import RequestProgress
 from tuner.prompts import build_prompts, build_prompts_of_lengths  # noqa: F401 - re-exported: callers import it from here
 
 try:  # a vLLM dependency; typed decoding skips unknown fields and is several times faster than json
@@ -30,9 +32,10 @@ from tuner.plan import closed_levels, default_levels, level_lengths, load_plan, 
 from tuner.records import Level, PhaseResult, RequestResult, Workload  # noqa: F401,E402
 
 
-# /metrics samples kept per phase: the engine's names (gauges combined across label sets by max,
-# counters by sum)
-from tuner.engines.vllm import SERVER_COUNTERS, SERVER_GAUGES  # noqa: E402
+# /metrics samples kept per phase are the engine's names (gauges combined across label sets by
+# max, counters by sum); vLLM's stay importable from here
+from tuner import engines  # noqa: E402
+from tuner.engines.vllm import SERVER_COUNTERS, SERVER_GAUGES  # noqa: E402,F401
 _JSON = {"Content-Type": "application/json"}
 # vLLM's answers (HTTP 400) to a request longer than the server's context: "This model's maximum
 # context length is 4096 tokens. However, you requested ...", "The decoder prompt (length 5000) is
@@ -216,12 +219,13 @@ async def stream_request(session: aiohttp.ClientSession, url: str, payload: byte
 
 # ---------------------------------------------------------------- server-side metrics
 
-def parse_prometheus(text: str) -> tuple[tuple[str, float], ...]:
-    """The SERVER_GAUGES (max over label sets) and SERVER_COUNTERS (sum) found in Prometheus text."""
-    gauges, counters = set(SERVER_GAUGES), set(SERVER_COUNTERS)
+def parse_prometheus(text: str, engine: str | None = None) -> tuple[tuple[str, float], ...]:
+    """The engine's server gauges (max over label sets) and counters (sum) found in Prometheus text."""
+    eng = engines.get(engine)
+    gauges, counters, prefix = set(eng.server_gauges), set(eng.server_counters), eng.metric_prefix
     found: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:"):
+        if not line.startswith(prefix):
             continue
         brace, space = line.find("{"), line.find(" ")
         end = brace if 0 <= brace < space or (brace >= 0 and space < 0) else space
@@ -240,22 +244,25 @@ def parse_prometheus(text: str) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(found.items()))
 
 
-async def fetch_server_metrics(session: aiohttp.ClientSession, base_url: str) -> tuple[tuple[str, float], ...]:
+async def fetch_server_metrics(session: aiohttp.ClientSession, base_url: str,
+                               engine: str | None = None) -> tuple[tuple[str, float], ...]:
     """Selected /metrics samples; () when the endpoint is missing or fails (it is a cross-check only)."""
     try:
         async with session.get(base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
             if r.status != 200:
                 return ()
-            return parse_prometheus(await r.text())
+            return parse_prometheus(await r.text(), engine)
     except (aiohttp.ClientError, OSError, TimeoutError):
         return ()
 
 
-def request_payload(model: str, prompt: str, output_tokens: int, endpoint: str = "completions") -> bytes:
-    """The JSON body of one streaming request whose output length is fixed at `output_tokens`."""
-    body: dict = {"model": model, "max_tokens": output_tokens, "min_tokens": output_tokens,
-                  "ignore_eos": True, "temperature": 0.0, "stream": True,
-                  "stream_options": {"include_usage": True}}
+def request_payload(model: str, prompt: str, output_tokens: int, endpoint: str = "completions",
+                    engine: str | None = None) -> bytes:
+    """The JSON body of one streaming request whose output length is fixed at `output_tokens`
+    (the engine says how: vLLM's min_tokens and ignore_eos)."""
+    body: dict = {"model": model, "max_tokens": output_tokens,
+                  **engines.get(engine).fixed_output(output_tokens),
+                  "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -267,57 +274,18 @@ def endpoint_url(base_url: str, endpoint: str) -> str:
     return base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
 
 
-# ---------------------------------------------------------------- progress
-
-class _Progress:
-    """One live line per phase on stderr: \\r-updated on a tty, a few plain lines otherwise."""
-
-    def __init__(self, name: str, total: int, enabled: bool):
-        self.name, self.total, self.enabled = name, total, enabled and total > 0
-        self.tty = self.enabled and sys.stderr.isatty()
-        self.done = self.tokens = 0
-        self.t0 = time.perf_counter()
-        self.last_write = 0.0
-        self.next_mark = 1
-
-    def add(self, r: RequestResult) -> None:
-        self.done += 1
-        self.tokens += r.output_tokens
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if self.tty:
-            if now - self.last_write >= 0.2 or self.done == self.total:
-                self.last_write = now
-                sys.stderr.write("\r" + self._line(now))
-                sys.stderr.flush()
-        elif self.done >= self.total * self.next_mark / 4:
-            while self.done >= self.total * self.next_mark / 4:
-                self.next_mark += 1
-            sys.stderr.write(self._line(now) + "\n")
-            sys.stderr.flush()
-
-    def _line(self, now: float) -> str:
-        rate = self.tokens / max(now - self.t0, 1e-9)
-        return f"{self.name}: {self.done}/{self.total} requests, {rate:,.0f} tok/s"
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 # ---------------------------------------------------------------- phases
 
 async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, payloads: Sequence[bytes], *,
                     concurrency: int, chat: bool = False, timeout_s: float = 300.0,
                     request_rate: float | None = None, seed: int = 0, metrics_poll_s: float | None = None,
                     progress: bool = True, clock: Callable[[], float] = time.perf_counter,
-                    endpoint: str = "completions") -> PhaseResult:
+                    endpoint: str = "completions", engine: str | None = None) -> PhaseResult:
     """Send `payloads` closed-loop at `concurrency`, or open-loop Poisson at `request_rate` (in-flight
     capped at `concurrency`), reading /metrics before, during (gauge peaks) and after."""
     url = endpoint_url(base_url, endpoint)
-    before = await fetch_server_metrics(session, base_url)
+    gauges = set(engines.get(engine).server_gauges)
+    before = await fetch_server_metrics(session, base_url, engine)
     peaks: dict[str, float] = {}
     stop = asyncio.Event()
 
@@ -330,11 +298,11 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
                 return
             except TimeoutError:
                 pass
-            for k, v in await fetch_server_metrics(session, base_url):
-                if k in SERVER_GAUGES:
+            for k, v in await fetch_server_metrics(session, base_url, engine):
+                if k in gauges:
                     peaks[k] = max(peaks.get(k, v), v)
 
-    bar = _Progress(name, len(payloads), progress)
+    bar = RequestProgress(name, len(payloads), progress)
     results: list[RequestResult | None] = [None] * len(payloads)
     poller = asyncio.create_task(poll()) if metrics_poll_s and payloads else None
     t0 = clock()
@@ -374,13 +342,13 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
     if poller is not None:
         stop.set()
         await poller
-    after = await fetch_server_metrics(session, base_url)
+    after = await fetch_server_metrics(session, base_url, engine)
     return PhaseResult(name=name, concurrency=concurrency, wall_s=wall, requests=tuple(results),
                        server_metrics_before=before, server_metrics_after=after,
                        server_metrics_peak=tuple(sorted(peaks.items())), request_rate=request_rate)
 
 
-def new_session(concurrency: int, trust_env: bool = False) -> aiohttp.ClientSession:
+def new_session(concurrency: int, trust_env: bool = False, engine: str | None = None) -> aiohttp.ClientSession:
     """One client session with room for every stream plus the /metrics poller (call inside a loop).
 
     trust_env stays off: with it aiohttp looks up proxies and .netrc on every request, which adds
@@ -388,14 +356,18 @@ def new_session(concurrency: int, trust_env: bool = False) -> aiohttp.ClientSess
     """
     # vLLM started with VLLM_API_KEY in its environment refuses /v1/* without the key; the key
     # comes from the tuner's environment only (study files may not hold it) and is never logged
-    key = os.environ.get("VLLM_API_KEY")
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 4), trust_env=trust_env,
+    eng = engines.get(engine)
+    key = os.environ.get(eng.api_key_env)
+    # a server that closes a connection after a streamed response (llama.cpp's) must get a new
+    # one per request: a reused one fails with "Can not write request body"
+    connector = aiohttp.TCPConnector(limit=concurrency + 4, force_close=not eng.keep_alive)
+    return aiohttp.ClientSession(connector=connector, trust_env=trust_env,
                                  timeout=aiohttp.ClientTimeout(total=None),
                                  headers={"Authorization": f"Bearer {key}"} if key else None)
 
 
 async def run_load_test_async(base_url: str, model: str, workload: Workload,
-                              progress: bool = True,
+                              progress: bool = True, engine: str | None = None,
                               alive: Callable[[], bool] | None = None) -> tuple[PhaseResult, ...]:
     """Warm-up, then every level of the workload's plan; one session per level, prompts built first.
 
@@ -411,34 +383,37 @@ async def run_load_test_async(base_url: str, model: str, workload: Workload,
         top = max((lv.concurrency for lv in plan if lv.request_rate is None), default=1)
         plan = (Level("warmup", max(1, min(top, w.warmup_requests)), w.warmup_requests),) + plan
     lengths = level_lengths(w, plan)
-    async with new_session(16) as session:
+    run_progress.phase("building prompts")
+    async with new_session(16, engine=engine) as session:
         if w.length_mix == "fixed":
             prompts = await build_prompts(session, base_url, model, sum(lv.requests for lv in plan),
-                                          w.prompt_tokens, w.endpoint, seed=w.seed)
+                                          w.prompt_tokens, w.endpoint, seed=w.seed, engine=engine)
         else:
             prompts = await build_prompts_of_lengths(
                 session, base_url, model, [p for level in lengths for p, _ in level], w.endpoint,
-                seed=w.seed)
+                seed=w.seed, engine=engine)
     phases = []
     used = 0
     for lv, sizes in zip(plan, lengths):
         mine, used = prompts[used:used + lv.requests], used + lv.requests
-        payloads = [request_payload(model, p, out, w.endpoint) for p, (_, out) in zip(mine, sizes)]
+        payloads = [request_payload(model, p, out, w.endpoint, engine) for p, (_, out) in zip(mine, sizes)]
         if alive is not None and not alive():
             break   # the server died: the remaining levels would only count connection errors
-        async with new_session(lv.concurrency) as session:
+        async with new_session(lv.concurrency, engine=engine) as session:
             phases.append(await run_phase(session, base_url, lv.name, payloads,
                                           concurrency=lv.concurrency, chat=chat,
                                           timeout_s=w.request_timeout_s, request_rate=lv.request_rate,
                                           seed=w.seed, metrics_poll_s=w.metrics_poll_s,
-                                          progress=progress, endpoint=w.endpoint))
+                                          progress=progress, endpoint=w.endpoint, engine=engine))
+    run_progress.phase("stopping")   # the caller stops the server next
     return tuple(phases)
 
 
 def run_load_test(base_url: str, model: str, workload: Workload, progress: bool = True,
+                  engine: str | None = None,
                   alive: Callable[[], bool] | None = None) -> tuple[PhaseResult, ...]:
     """Warm-up and every level of the workload against a ready server (synchronous wrapper)."""
-    return run_async(run_load_test_async(base_url, model, workload, progress, alive))
+    return run_async(run_load_test_async(base_url, model, workload, progress, engine, alive))
 
 
 def run_async(coro):

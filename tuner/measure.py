@@ -46,7 +46,7 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
         t1 = time.monotonic()
         logged_before_load = len(server.read_log())
         phases = run_load_test(server.base_url, spec.model, workload, progress=progress,
-                               alive=lambda: server.returncode is None)
+                               engine=spec.engine, alive=lambda: server.returncode is None)
         metrics = summarize(phases, workload)
         died = None
         if server.returncode is not None:   # it exited under load: read its log again, classify

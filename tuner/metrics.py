@@ -8,6 +8,13 @@ from collections.abc import Iterable, Sequence
 from tuner.records import LevelMetrics, LoadMetrics  # noqa: F401  (moved; still importable here)
 
 
+def _sample_name(role: str) -> str:
+    """The engine's /metrics name of a quantity ("" when it exports none: the figure is None)."""
+    from tuner import engines
+
+    return engines.get().metric_names.get(role, "")
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100) with linear interpolation between order statistics (numpy's default)."""
     if not values:
@@ -199,11 +206,11 @@ def level_metrics(phase, workload) -> LevelMetrics:
             for slo, got in ((workload.slo_ttft_ms, out["ttft_ms_p90"]),
                              (workload.slo_tpot_ms, out["tpot_ms_p90"]),
                              (workload.slo_e2e_ms, out["e2e_ms_p90"])))
-    out["preemptions"] = _delta(phase, "vllm:num_preemptions_total")
+    out["preemptions"] = _delta(phase, _sample_name("preemptions"))
     if phase.server_metrics_peak:  # only sampled while the level ran when polling is on
-        out["kv_cache_usage_max"] = _peak(phase, "vllm:kv_cache_usage_perc")
-        out["num_requests_waiting_max"] = _peak(phase, "vllm:num_requests_waiting")
-    out["server_ttft_ms_mean"] = _hist_mean_ms(phase, "vllm:time_to_first_token_seconds")
+        out["kv_cache_usage_max"] = _peak(phase, _sample_name("kv_cache_usage"))
+        out["num_requests_waiting_max"] = _peak(phase, _sample_name("requests_waiting"))
+    out["server_ttft_ms_mean"] = _hist_mean_ms(phase, _sample_name("ttft_seconds"))
     return LevelMetrics(**out)
 
 
@@ -245,7 +252,7 @@ def summarize(phases, workload) -> LoadMetrics:
         if not rates:
             # Every stream arrived in one read (a starved client on a busy CPU sees this), so the
             # client cannot time decoding; the server's own inter-token histogram over the phase can.
-            itl_ms = _hist_mean_ms(single, "vllm:inter_token_latency_seconds")
+            itl_ms = _hist_mean_ms(single, _sample_name("itl_seconds"))
             if itl_ms:
                 out["single_stream_tok_s"] = 1e3 / itl_ms
                 out["single_stream_source"] = "server_itl"
@@ -299,5 +306,5 @@ def summarize(phases, workload) -> LoadMetrics:
         out[name + "_p90"] = _ms(percentile(vals, 90))
         out[name + "_p99"] = _ms(percentile(vals, 99))
         out[name + "_mean"] = _ms(mean(vals))
-    out["server_itl_ms_mean"] = _hist_mean_ms(p, "vllm:inter_token_latency_seconds")
+    out["server_itl_ms_mean"] = _hist_mean_ms(p, _sample_name("itl_seconds"))
     return LoadMetrics(**out)

@@ -7,6 +7,7 @@ import random
 
 import aiohttp
 
+from tuner import engines
 from tuner.errors import TunerError
 
 # The largest id the server's tokenizer decodes bounds the ids prompts are drawn from.
@@ -45,10 +46,11 @@ class _Builder:
     """The server's /tokenize and /detokenize, asked the questions prompt building needs."""
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, prompt_tokens: int,
-                 chat: bool, rng: random.Random):
+                 chat: bool, rng: random.Random, api=None):
         self.session, self.base_url, self.model = session, base_url, model
         self.prompt_tokens, self.chat, self.rng = prompt_tokens, chat, rng
-        self.tok_url, self.detok_url = base_url + "/tokenize", base_url + "/detokenize"
+        self.api = api or engines.get().tokenizer_api
+        self.tok_url, self.detok_url = base_url + self.api.tokenize_path, base_url + self.api.detokenize_path
 
     def fail(self, problem: str) -> PromptError:
         return PromptError(self.base_url, self.prompt_tokens, problem)
@@ -57,24 +59,28 @@ class _Builder:
         status, r = await _post(self.session, url, body)
         if status == 0 or status >= 500:
             raise _ServerFailing
-        if r is None or not isinstance(r.get(key), kind):
-            raise self.fail(f"{url} answered {f'HTTP {status}' if r is None else 'without ' + repr(key)} {what}")
-        return r[key]
+        value = None if r is None else (self.api.count(r) if key == "count" else r.get(key))
+        if r is None or not isinstance(value, kind):
+            shown = self.api.count_key or "tokens" if key == "count" else key
+            raise self.fail(f"{url} answered {f'HTTP {status}' if r is None else 'without ' + repr(shown)} {what}")
+        return value
 
     async def tokens_of(self, text: str) -> list[int]:
-        return await self.ask(self.tok_url, {"model": self.model, "prompt": text, "add_special_tokens": False},
+        return await self.ask(self.tok_url, self.api.tokenize_body(self.model, text, False),
                               "tokens", list, f"to a text of {len(text)} characters")
 
     async def served_count(self, text: str) -> int:
         """What the request will count: BOS or the chat template's tokens included."""
-        if self.chat:
+        if self.chat and self.api.chat_messages:
             body = {"model": self.model, "messages": [{"role": "user", "content": text}]}
+        elif self.chat:
+            raise self.fail("this engine's /tokenize counts no chat prompts: use endpoint = \"completions\"")
         else:
-            body = {"model": self.model, "prompt": text}
+            body = self.api.tokenize_body(self.model, text, True)
         return await self.ask(self.tok_url, body, "count", int, f"to a {'chat' if self.chat else 'completion'} prompt")
 
     async def text_of(self, ids: list[int]) -> str:
-        return await self.ask(self.detok_url, {"model": self.model, "tokens": ids}, "prompt", str,
+        return await self.ask(self.detok_url, {"model": self.model, "tokens": ids}, self.api.detokenized_key, str,
                               f"to {len(ids)} token ids")
 
     async def id_range(self) -> tuple[int, int]:
@@ -82,9 +88,11 @@ class _Builder:
         tenth of it (byte and special tokens sit low, added ones beyond the vocabulary)."""
         for ids in _TOKEN_PROBES:
             status, r = await _post(self.session, self.detok_url, {"model": self.model, "tokens": [ids - 1]})
+            if status >= 500 and self.api.out_of_range_5xx:
+                continue   # llama.cpp: "vector::_M_range_check", an id past its vocabulary
             if status == 0 or status >= 500:
                 raise _ServerFailing
-            if r is not None and str(r.get("prompt", "")).strip():
+            if r is not None and str(r.get(self.api.detokenized_key, "")).strip():
                 return max(ids // 10, 10), ids
         raise self.fail(f"{self.detok_url} decodes none of the token ids "
                         + ", ".join(str(p - 1) for p in _TOKEN_PROBES))
@@ -135,7 +143,8 @@ class _Builder:
 
 
 async def build_prompts(session: aiohttp.ClientSession, base_url: str, model: str, count: int,
-                        prompt_tokens: int, endpoint: str = "completions", seed: int = 0) -> list[str]:
+                        prompt_tokens: int, endpoint: str = "completions", seed: int = 0,
+                        engine: str | None = None) -> list[str]:
     """`count` distinct prompts of exactly `prompt_tokens` tokens as the server counts them.
 
     Each prompt is random token ids detokenized by the server (distinct from its first tokens, so
@@ -153,18 +162,19 @@ async def build_prompts(session: aiohttp.ClientSession, base_url: str, model: st
     def words() -> list[str]:
         return [" ".join(f"w{rng.randrange(7, 4096)}" for _ in range(prompt_tokens)) for _ in range(count)]
 
-    status, _ = await _post(session, base_url + "/tokenize",
-                            {"model": model, "prompt": _PROBE_TEXT, "add_special_tokens": False})
+    api = engines.get(engine).tokenizer_api
+    status, _ = await _post(session, base_url + api.tokenize_path, api.tokenize_body(model, _PROBE_TEXT, False))
     if status in (404, 405):
         return words()
     try:
-        return await _Builder(session, base_url, model, prompt_tokens, endpoint == "chat", rng).build(count)
+        return await _Builder(session, base_url, model, prompt_tokens, endpoint == "chat", rng, api).build(count)
     except _ServerFailing:
         return words()
 
 
 async def build_prompts_of_lengths(session: aiohttp.ClientSession, base_url: str, model: str,
-                                   lengths, endpoint: str = "completions", seed: int = 0) -> list[str]:
+                                   lengths, endpoint: str = "completions", seed: int = 0,
+                                   engine: str | None = None) -> list[str]:
     """One distinct prompt per entry of `lengths` (token counts), each exactly that long: the
     prompts of each distinct length are built together (see build_prompts), with a seed of the
     workload's and the length's, so the same lengths give the same prompts for every config."""
@@ -174,5 +184,5 @@ async def build_prompts_of_lengths(session: aiohttp.ClientSession, base_url: str
     built: dict[int, list[str]] = {}
     for n, count in sorted(wanted.items()):
         built[n] = await build_prompts(session, base_url, model, count, n, endpoint,
-                                       seed=seed * 1_000_003 + n)
+                                       seed=seed * 1_000_003 + n, engine=engine)
     return [built[n].pop() for n in lengths]

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """Everything needed to start one vLLM server."""
+    """Everything needed to start one server."""
 
     model: str                         # model folder or HF id
     params: ServerParams               # tuned flags
+    engine: str = "vllm"               # which engine (tuner.engines) launches it
     extra_args: tuple[str, ...] = ()   # fixed flags from the study, already split (argv items)
     engine_cmd: tuple[str, ...] = ()   # () = default: `vllm serve` when that works, else python -m api_server
     host: str = "127.0.0.1"

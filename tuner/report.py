@@ -199,10 +199,10 @@ def write_trials(study, cfg: StudyConfig) -> pd.DataFrame:
 
 
 def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame:
-    """trials.csv, pareto.csv, levels.csv, noise.json, the plots and best-command.sh."""
+    """trials.csv, pareto.csv, levels.csv, noise.json, the plots, best-command.sh, report.html."""
     import json
 
-    from tuner import export
+    from tuner import export, html_report
 
     df = write_trials(study, cfg)
     folder = cfg.results_path
@@ -215,6 +215,7 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
     if len(front):
         row = export.choose(front, prefer, df.attrs.get("noise"))
         (folder / "best-command.sh").write_text(export.script(row, study, cfg))
+    html_report.write(study, cfg, df, levels)
     return df
 
 
@@ -323,10 +324,24 @@ def plot_projections(df: pd.DataFrame, path: Path, title: str = "") -> Path:
     return path
 
 
+def _map_flags(df: pd.DataFrame):
+    """The flags the fit map draws, from the engine's table: x the one that demands memory
+    (vLLM: max_model_len), y the one that supplies it (gmu) or the next, marker size the next
+    required one (max_num_seqs); None where the table has none."""
+    numeric = [f for f in engines.flags() if f.kind in ("int", "float") and f.name in df.columns]
+    x = next((f for f in numeric if f.memory == "demand"), numeric[0] if numeric else None)
+    y = next((f for f in numeric if f.memory == "supply"), next((f for f in numeric if f is not x), None))
+    size = next((f for f in numeric if f not in (x, y) and f.required), None)
+    return x, y, size
+
+
 def plot_parameters(df: pd.DataFrame, path: Path, title: str = "") -> Path:
     """Where the good configs live: gmu × max-model-len (size = max-num-seqs), and parallel coordinates."""
     import matplotlib.pyplot as plt
     import numpy as np
+
+    fx, fy, fsize = _map_flags(df)
+    xcol, ycol = (fx.name if fx else "trial"), (fy.name if fy else "trial")
 
     fig, (ax, pc) = plt.subplots(1, 2, figsize=(16, 5.5), gridspec_kw={"width_ratios": [1, 1.4]})
     kinds = df.apply(outcome, axis=1) if len(df) else pd.Series(dtype=str)
@@ -335,26 +350,24 @@ def plot_parameters(df: pd.DataFrame, path: Path, title: str = "") -> Path:
     style = dict(STYLE)
     style["infeasible"] = dict(STYLE["infeasible"], label="infeasible")
     for kind in ("failed", "infeasible", "dominated", "pareto"):
-        part = df[(kinds == kind) & df["max_model_len"].notna()]
+        part = df[(kinds == kind) & df[xcol].notna()]
         if len(part):
-            sizes = 30 + 12 * np.log2(part["max_num_seqs"].astype(float).clip(lower=1))
+            sizes = (30 + 12 * np.log2(part[fsize.name].astype(float).clip(lower=1))) if fsize else 40.0
             st = dict(style[kind])
             st["s"] = sizes * (2 if kind == "pareto" else 1)
-            ax.scatter(part["max_model_len"].astype(float),
-                       part["gpu_memory_utilization"].astype(float), **st)
-    for _, row in df[mem & df["max_model_len"].notna()].iterrows():
-        ax.annotate(row["failure"].replace("_", " "), (row["max_model_len"],
-                    row["gpu_memory_utilization"]), fontsize=6, color="#ff7f0e",
-                    textcoords="offset points", xytext=(4, 4))
+            ax.scatter(part[xcol].astype(float), part[ycol].astype(float), **st)
+    for _, row in df[mem & df[xcol].notna()].iterrows():
+        ax.annotate(row["failure"].replace("_", " "), (row[xcol], row[ycol]), fontsize=6,
+                    color="#ff7f0e", textcoords="offset points", xytext=(4, 4))
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("--max-model-len (tokens, log scale)")
-    ax.set_ylabel("--gpu-memory-utilization (searched value)")
-    ax.set_title("where configs fit (marker size: --max-num-seqs)")
+    ax.set_xlabel(f"{fx.cli if fx else 'trial'} (log scale)")
+    ax.set_ylabel(f"{fy.cli if fy else 'trial'} (searched value)")
+    ax.set_title("where configs fit" + (f" (marker size: {fsize.cli})" if fsize else ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
 
-    axes_cols = [c for c in ("gpu_memory_utilization", "max_model_len", "max_num_seqs",
-                             "max_num_batched_tokens", *OBJECTIVES) if c in df.columns
+    axes_cols = [c for c in (*(f.name for f in engines.flags() if f.kind in ("int", "float")),
+                             *OBJECTIVES) if c in df.columns
                  and pd.to_numeric(df[c], errors="coerce").notna().any()]
     data = df[axes_cols].apply(pd.to_numeric, errors="coerce")
     lo, hi = data.min(), data.max()
@@ -392,8 +405,8 @@ def describe_noise(noise: dict | None) -> str:
 
 
 def table(df: pd.DataFrame, columns: list[str] | None = None) -> str:
-    cols = columns or ["trial", "state", "failure", "gpu_memory_utilization", "max_model_len",
-                       "max_num_seqs", *OBJECTIVES, "runs", "pareto", "baseline"]
+    cols = columns or ["trial", "state", "failure", *(f.name for f in engines.flags() if f.required),
+                       *OBJECTIVES, "runs", "pareto", "baseline"]
     cols = [c for c in cols if c in df.columns]
     view = df[cols].copy()
     for c in OBJECTIVES:

@@ -6,7 +6,6 @@ import json
 import os
 import shlex
 import socket
-import sys
 import tempfile
 import time
 from dataclasses import asdict, fields
@@ -18,7 +17,7 @@ import optuna
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner import engines, plan, presets, requirement, space
+from tuner import engines, plan, presets, progress, requirement, space
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
 from tuner.records import (Capacity, LaunchFailure, LaunchSpec, LoadMetrics, Platform,  # noqa: F401
@@ -41,23 +40,25 @@ Measure = Callable[..., TrialOutcome]
 
 
 def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    progress.log(message)   # above the live status line, when one is shown
 
 
 # ---------------------------------------------------------------- environment of a study
 
 
 def detect_platform(cfg: StudyConfig) -> Platform:
-    from tuner import feasibility, gpu, launcher
+    from tuner import feasibility, gpu
 
-    engine = tuple(cfg.engine) or tuple(launcher.default_engine_cmd())
+    eng = engines.get(cfg.engine_name)
+    engine = tuple(cfg.engine) or tuple(eng.default_cmd())
+    version = vllm_version() if eng.name == "vllm" else eng.version()
     devices = gpu.gpus(cfg.env)   # the GPUs the server sees, [0] its own
     if devices:
         d = devices[0]
         return Platform("cuda", d.name, d.memory_total_bytes, d.memory_bandwidth_gbps, engine,
-                        vllm_version())
-    return Platform("cpu", "CPU (vLLM CPU build)", feasibility.device_memory_bytes("cpu"), None,
-                    engine, vllm_version())
+                        version)
+    return Platform("cpu", f"CPU ({eng.label} CPU build)", feasibility.device_memory_bytes("cpu"), None,
+                    engine, version)
 
 
 def vllm_version() -> str:
@@ -77,7 +78,8 @@ from tuner.checkpoint import resolve_model  # noqa: E402,F401  (moved; callers i
 def launch_spec(cfg: StudyConfig, platform: Platform, model: str, extra_args: tuple[str, ...],
                 params: space.ServerParams, log_path: Path) -> LaunchSpec:
     """The LaunchSpec of one config of this study (trials, confirmations and `measure` alike)."""
-    return LaunchSpec(model=model, params=params, extra_args=extra_args, engine_cmd=platform.engine,
+    return LaunchSpec(model=model, params=params, engine=cfg.engine_name, extra_args=extra_args,
+                      engine_cmd=platform.engine,
                       host=cfg.host, env=cfg.env, launch_timeout_s=cfg.launch_timeout_s,
                       log_path=str(log_path))
 
@@ -300,10 +302,12 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
             constraints["load_test"] = max(0.01, m.error_rate)
         constraints["slo"] = slo_violation(cfg, m)
         measured = (m.single_stream_tok_s, m.throughput_tok_s, m.ttft_ms)
-        if all(v is not None for v in measured) and not m.load_test_failed:
-            values = measured   # a failed load test's figures stay in its attrs, not in the sampler
-        elif not m.load_test_failed:
-            missing = [k for k, v in zip(OBJECTIVES, measured) if v is None]
+        missing = [k for k, v in zip(OBJECTIVES, measured) if v is None]
+        if m.load_test_failed:
+            pass   # a failed load test's figures stay in its attrs, not in the sampler
+        elif not missing:
+            values = measured
+        else:
             constraints["load_test"] = 1.0
             attrs["failure"] = "load_test_failed"
             attrs["failure_message"] = "no measurement of " + ", ".join(missing)
@@ -350,7 +354,7 @@ class Tuner:
         if measure is None:
             from tuner.launcher import check_engine_cmd
 
-            check_engine_cmd(self.platform.engine)
+            check_engine_cmd(self.platform.engine, engines.get(cfg.engine_name).label)
             from tuner.measure import measure_config
             measure = measure_config
         self.measure_is_real = real
@@ -403,6 +407,10 @@ class Tuner:
         if read is not None:
             return read, f"read from vLLM {read.get('vllm_version', '')} on this device"
         defaults = {f.name: f.default for f in engines.flags()}
+        if "ctx_size" in defaults and defaults["ctx_size"] is None and (Path(self.model) / "config.json").exists():
+            # llama-server's -c 0: the model's training context
+            defaults["ctx_size"] = json.loads((Path(self.model) / "config.json").read_text()).get(
+                "max_position_embeddings")
         if self.memory_model is not None:  # what this vLLM picks on this device, model and flags
             r = self.memory_model.resolve(space.ServerParams())
             defaults.update(max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
@@ -525,20 +533,22 @@ class Tuner:
             study.tell(trial, same.values)
             return "duplicate"
         launch_params = space.scaled(params, self.scale)
-        below = requirement.context_shortfall(params.max_model_len, self.cfg.requirement)
+        w = self.cfg.workload
+        longest = engines.get().request_context(params.values())   # vLLM: max_model_len
+        context_name = engines.get().request_context_name
+        below = requirement.context_shortfall(longest, self.cfg.requirement)
         if below > 0:
             # cannot serve the context the user needs: no launch, a constraint (a baseline or a
             # stored trial from before the requirement; the space itself starts at the requirement)
             trial.set_user_attr("failure", "predicted_infeasible")
-            trial.set_user_attr("failure_message", f"max_model_len {params.max_model_len} < "
+            trial.set_user_attr("failure_message", f"{context_name} {longest} < "
                                 f"[requirement] context_tokens {self.cfg.requirement.context_tokens}")
             for key in CONSTRAINTS:
                 trial.set_constraint(key, 0.0)
             trial.set_constraint("requirement", below)
             study.tell(trial, penalty_values(self.cfg, study))
             return "predicted_infeasible"
-        w = self.cfg.workload
-        too_long = 0.0 if params.max_model_len is None else plan.share_too_long(w, params.max_model_len)
+        too_long = 0.0 if longest is None else plan.share_too_long(w, longest)
         if too_long > (w.max_failed_share if w.length_mix != "fixed" else 0.0):
             # more of a level's requests would be refused for length than a load test tolerates
             trial.set_user_attr("failure", "predicted_infeasible")
@@ -546,10 +556,10 @@ class Tuner:
                 why = f"the workload's {w.prompt_tokens} + {w.output_tokens} tokens per request"
             else:
                 why = f"{too_long:.0%} of a level's requests of the {w.length_mix} length mix"
-            trial.set_user_attr("failure_message", f"max_model_len {params.max_model_len} < {why}")
+            trial.set_user_attr("failure_message", f"{context_name} {longest} < {why}")
             for key in CONSTRAINTS:
                 trial.set_constraint(key, 0.0)
-            trial.set_constraint("load_test", max(0.01, plan.longest_request(w) / params.max_model_len - 1))
+            trial.set_constraint("load_test", max(0.01, plan.longest_request(w) / max(longest, 1) - 1))
             study.tell(trial, penalty_values(self.cfg, study))
             return "predicted_infeasible"
         failed = self.known_infeasible(study, params)
@@ -584,8 +594,7 @@ class Tuner:
                 return "predicted_infeasible"
 
         k = self.launched_count(study) + 1
-        log(f"[trial {trial.number} | launch {k}/{n_target}{_eta(started, k, n_target)}] "
-            + " ".join(launch_params.vllm_flags()))
+        progress.begin(trial.number, k, flags=" ".join(launch_params.vllm_flags()))
         trial_dir = self.cfg.results_path / "trials" / str(trial.number)
         trial_dir.mkdir(parents=True, exist_ok=True)
         spec = launch_spec(self.cfg, self.platform, self.model, self.extra_args, launch_params,
@@ -684,6 +693,7 @@ class Tuner:
             log(f"study {self.cfg.name} already holds {done} launched trials (asked {n_trials})")
         started = time.monotonic()
         asks_without_launch = errors_in_a_row = busy_in_a_row = 0
+        progress.start(n_trials, done, enabled=self.progress)
         try:
             while True:
                 self.replicate_baselines(study)
@@ -712,6 +722,8 @@ class Tuner:
         except (TunerError, KeyboardInterrupt):
             report.write_all(study, self.cfg)  # what was measured lands in results/ on the way out
             raise
+        finally:
+            progress.stop()
         report.write_all(study, self.cfg)
         return study
 
@@ -734,7 +746,8 @@ class Tuner:
         params = space.scaled(space.suggest(t, self.cfg.dimensions), self.scale)
         done = sum(1 for r in runs if r.get("kind") == kind)
         while done < count:
-            log(f"[{kind} of trial {number}: run {done + 1}/{count}] " + " ".join(params.vllm_flags()))
+            progress.begin(number, what=f"{kind} {done + 1}/{count}",
+                           flags=" ".join(params.vllm_flags()))
             folder = self.cfg.results_path / "trials" / str(number)
             folder.mkdir(parents=True, exist_ok=True)
             spec = launch_spec(self.cfg, self.platform, self.model, self.extra_args, params,
@@ -857,21 +870,14 @@ def _alive(pid) -> bool:
     return "tuner" in cmdline or not cmdline
 
 
-def _eta(started: float, k: int, n: int) -> str:
-    if k <= 1:
-        return ""
-    per = (time.monotonic() - started) / (k - 1)
-    return f" | ETA {per * (n - k + 1) / 60:.0f} min"
-
-
 def describe(t: FrozenTrial) -> str:
     a = t.user_attrs
-    if a.get("failure") and a["failure"] != "load_test_failed":
-        extra = a.get("estimated_max_model_len")
-        return f"trial {t.number}: {a['failure']}" + (f" (fits {extra} tokens)" if extra else "")
     if a.get("failure") == "load_test_failed":
         return (f"trial {t.number}: load_test_failed ({a.get('requests_failed', '?')} of "
                 f"{a.get('requests_sent', '?')} requests failed: {str(a.get('top_error', ''))[:120]})")
+    if a.get("failure"):
+        extra = a.get("estimated_max_model_len")
+        return f"trial {t.number}: {a['failure']}" + (f" (fits {extra} tokens)" if extra else "")
     ss, tp, ttft = t.values
     return (f"trial {t.number}: single-stream {ss:.1f} tok/s, throughput {tp:.1f} tok/s, "
             f"TTFT p50 {ttft:.0f} ms")

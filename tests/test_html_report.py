@@ -1,0 +1,323 @@
+"""report.html in headless Chromium: no console error, plots and tables, trials.csv's numbers, commands to copy."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import optuna
+import pandas as pd
+import pytest
+
+from chromium import Page, need_chromium
+from fakes import FAKE_PLATFORM, FAKE_STUDY, FakeCurveDevice
+from tuner import export, html_report, report
+from tuner.config import parse_study
+from tuner.study import Tuner
+
+ROOT = Path(__file__).resolve().parents[1]
+ODD_NAME = "<b>tight</b> & co"     # a baseline name that must be shown, never parsed as markup
+SECTIONS = ("summary", "commands", "front-section", "noise-section", "curves", "roofline-section",
+            "baselines", "failures-section", "trials-section")
+
+# Every numeric cell of the page: its table, trial, column, full value and the text shown.
+CELLS_JS = """[...document.querySelectorAll('tr[data-trial] td[data-value]')].map(td => ({
+  table: td.closest('table').id, trial: +td.closest('tr').dataset.trial,
+  col: td.dataset.col, value: td.dataset.value, text: td.textContent}))"""
+
+
+def study_doc(memory_model: bool) -> dict:
+    doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in FAKE_STUDY.items()}
+    doc["study"] = {**doc["study"], "memory_model": memory_model, "replicates": 1}
+    doc["workload"] = {"prompt_tokens": 16, "output_tokens": 8, "levels": [4, 16],
+                       "max_concurrency": 16}
+    doc["baselines"] = [{"name": ODD_NAME, "gpu_memory_utilization": 0.2,
+                         "max_model_len": 65536, "max_num_seqs": 4}]
+    return doc
+
+
+@pytest.fixture(scope="module")
+def curve_study(tmp_path_factory):
+    """A study of the fake device with load curves, the memory model's predictions, a roofline,
+    replicate noise, a failed relaunch and a launch that failed for memory; a report of it
+    written by another reader while a later trial was running; then the finished report."""
+    tmp = tmp_path_factory.mktemp("html")
+    overrides = {"storage": f"sqlite:///{tmp}/s.db", "results_dir": str(tmp / "results")}
+    cfg = parse_study(study_doc(True), "<html test>", overrides)
+    platform = replace(FAKE_PLATFORM, bandwidth_gbps=50.0)   # a bandwidth: the roofline is known
+    partial = {}
+
+    def snapshot(launch: int) -> None:
+        if "path" in partial or launch < 3:
+            return
+        # as `python -m tuner report` would, from storage, while a trial runs
+        live = optuna.load_study(study_name=cfg.name, storage=cfg.storage)
+        df = report.trials_frame(live)
+        if (df["state"] == "RUNNING").any():
+            partial["running"] = [int(n) for n in df[df["state"] == "RUNNING"]["trial"]]
+            partial["path"] = tmp / "partial.html"
+            partial["path"].write_text(html_report.page(live, cfg), encoding="utf-8")
+
+    # the hand-tuned config (4 sequences after snapping) fails when launched again
+    device = FakeCurveDevice(noise=0.03, seed=2, fail_relaunch_of={4}, during=snapshot)
+    Tuner(cfg, measure=device, platform=platform, progress=False).run(5)
+    # with the memory model off, a config it would have skipped is launched and fails for memory
+    cfg_off = parse_study(study_doc(False), "<html test>", overrides)
+    study = optuna.load_study(study_name=cfg.name, storage=cfg.storage)
+    study.enqueue_trial({"gpu_memory_utilization": 0.2, "max_model_len": 65536, "max_num_seqs": 16})
+    study = Tuner(cfg_off, measure=device, platform=platform, progress=False).run(6)
+    folder = cfg.results_path   # the end of `run` wrote the page (report.write_all)
+    return SimpleNamespace(cfg=cfg, study=study, folder=folder, page=folder / "report.html",
+                           csv=pd.read_csv(folder / "trials.csv"), partial=partial)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    need_chromium()
+    with Page() as page:
+        yield page
+
+
+def opened(browser: Page, path: Path) -> Page:
+    browser.errors.clear()
+    browser.open(path.resolve().as_uri())
+    return browser
+
+
+def assert_numbers_equal_csv(cells: list[dict], csv: pd.DataFrame) -> int:
+    """Every number shown equals trials.csv's (full value, and the text as rounded); returns how
+    many were compared."""
+    rows = csv.set_index("trial")
+    checked = 0
+    for c in cells:
+        if c["table"] not in ("trials", "front", "levels", "roofline", "baselines", "failures") \
+                or c["col"] == "trial":
+            continue
+        assert c["col"] in rows.columns, c
+        want = float(rows.at[c["trial"], c["col"]])
+        assert float(c["value"]) == pytest.approx(want, rel=1e-12, abs=1e-12), c
+        shown = c["text"].replace(",", "")
+        decimals = len(shown.split(".")[1]) if "." in shown else 0
+        assert abs(float(shown) - want) <= 0.5 * 10 ** -decimals + 1e-9, c
+        checked += 1
+    return checked
+
+
+def test_page_is_self_contained_and_loads_without_console_errors(curve_study, browser):
+    text = curve_study.page.read_text()
+    assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "").replace(
+        'xmlns:xlink="http://www.w3.org/1999/xlink"', "") and "https://" not in text
+    page = opened(browser, curve_study.page)
+    assert page.errors == []
+    # nothing is fetched: every src/href is an anchor inside the page
+    refs = page.eval("[...document.querySelectorAll('[src],[href],link,iframe,object')]"
+                     ".map(e => e.getAttribute('src') || e.getAttribute('href') || e.tagName)")
+    assert all(r.startswith("#") for r in refs), refs
+    assert page.eval("[...document.querySelectorAll('section')].map(s => s.id)") == list(SECTIONS)
+
+
+def test_plots_and_tables_are_rendered(curve_study, browser, tmp_path):
+    page = opened(browser, curve_study.page)
+    for plot in ("pareto", "curves", "parameters"):
+        box = page.eval(f"(() => {{ const s = document.querySelector('#plot-{plot} svg');"
+                        " const r = s.getBoundingClientRect(); return [r.width, r.height,"
+                        " s.querySelectorAll('path, use').length]; })()")
+        assert box[0] > 300 and box[1] > 200 and box[2] > 10, (plot, box)
+    rows = page.eval("Object.fromEntries([...document.querySelectorAll('table')].map(t =>"
+                     " [t.id, t.querySelectorAll('tbody tr').length]))")
+    csv = curve_study.csv
+    assert rows["trials"] == len(csv)
+    assert rows["front"] == int(csv["pareto"].sum()) >= 1
+    assert rows["levels"] == int(csv["c16_throughput_tok_s"].notna().sum()) >= 3
+    assert rows["roofline"] == int(csv["roofline_pct"].notna().sum()) >= 1
+    assert rows["baselines"] == int(csv["baseline"].notna().sum()) == 3
+    assert rows["failures"] == int((csv["failure"].notna() | (csv["state"] != "COMPLETE")
+                                    | csv["relaunch_failed"].notna()).sum())
+    assert rows["noise"] == len(json.loads((curve_study.folder / "noise.json").read_text())) == 3
+    # the screenshot shows them: the plots' area is far from blank
+    import matplotlib.image
+
+    shot = matplotlib.image.imread(page.screenshot(tmp_path / "report.png"))
+    assert shot.shape[0] > 2000
+    ink = (shot[..., :3].mean(axis=2) < 0.9).mean()
+    assert ink > 0.03, ink
+
+
+def test_numbers_shown_equal_trials_csv(curve_study, browser):
+    page = opened(browser, curve_study.page)
+    cells = page.eval(CELLS_JS)
+    checked = assert_numbers_equal_csv(cells, curve_study.csv)
+    tables = {c["table"] for c in cells}
+    assert {"trials", "front", "levels", "roofline", "baselines", "failures"} <= tables
+    # each measured config's curve: every level's throughput and TTFT p50 is on the page
+    levels = {(c["trial"], c["col"]) for c in cells if c["table"] == "levels"}
+    for _, row in curve_study.csv[curve_study.csv["c16_throughput_tok_s"].notna()].iterrows():
+        for name in ("single_stream", "c4", "c16"):
+            for key in ("throughput_tok_s", "ttft_ms", "ttft_ms_p90"):
+                assert (int(row["trial"]), f"{name}_{key}") in levels
+    assert checked > 100
+
+
+def test_noise_is_the_measured_one(curve_study, browser):
+    page = opened(browser, curve_study.page)
+    noise = json.loads((curve_study.folder / "noise.json").read_text())
+    shown = page.eval("[...document.querySelectorAll('#noise tbody tr')].map(tr =>"
+                      " [tr.cells[0].textContent, +tr.cells[1].dataset.value])")
+    assert {k: v for k, v in shown} == pytest.approx({k: 100 * v["cv"] for k, v in noise.items()})
+    assert page.eval("document.querySelector('#noise-section p').textContent") == \
+        report.describe_noise(noise)
+
+
+def test_a_command_per_preference_and_the_copy_button_copies_it(curve_study, browser):
+    page = opened(browser, curve_study.page)
+    page.send("Browser.grantPermissions", permissions=["clipboardReadWrite",
+                                                       "clipboardSanitizedWrite"])
+    df = report.trials_frame(curve_study.study, curve_study.cfg.tie_tolerance)
+    front = df[df["pareto"]]
+    for prefer in export.PREFERENCES:
+        row = export.choose(front, prefer, df.attrs["noise"], curve_study.cfg.tie_tolerance)
+        want = export.command(row, curve_study.study, curve_study.cfg)
+        box = page.eval(f"(() => {{ const b = document.querySelector("
+                        f"'button.copy[data-target=cmd-{prefer}]'); b.scrollIntoView();"
+                        " const r = b.getBoundingClientRect();"
+                        " return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        assert page.eval(f"document.getElementById('cmd-{prefer}').textContent") == want
+        assert page.eval(f"+document.querySelector('.command[data-prefer={prefer}]')"
+                         ".dataset.trial") == int(row["trial"])
+        for kind in ("mousePressed", "mouseReleased"):   # a real click: a user gesture
+            page.send("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left",
+                      clickCount=1)
+        assert page.eval("navigator.clipboard.readText()") == want
+        assert page.eval(f"document.querySelector('button.copy[data-target=cmd-{prefer}]')"
+                         ".textContent") == "copied"
+    assert page.errors == []
+
+
+def test_failures_show_the_reason_and_the_memory_models_prediction(curve_study, browser):
+    page = opened(browser, curve_study.page)
+    rows = page.eval("[...document.querySelectorAll('#failures tbody tr')].map(tr =>"
+                     " [+tr.dataset.trial, Object.fromEntries([...tr.cells].filter(td =>"
+                     " td.dataset.col).map(td => [td.dataset.col, td.textContent]))])")
+    csv = curve_study.csv.set_index("trial")
+    kinds = set()
+    for trial, cells in rows:
+        want = csv.loc[trial]
+        kinds.add(want["failure"] if isinstance(want["failure"], str) else "relaunch_failed")
+        for col in ("failure_message", "predicted_reason", "relaunch_failed"):
+            if col in want.index and isinstance(want[col], str):
+                assert cells[col] == want[col], (trial, col)
+    assert {"kv_cache_too_small", "predicted_infeasible", "relaunch_failed"} <= kinds
+    kv = next(cells for trial, cells in rows if csv.at[trial, "failure"] == "kv_cache_too_small")
+    assert kv["failure_message"].startswith("estimated maximum model length is")
+    assert "estimated_max_model_len" in kv
+    legend = page.eval("document.querySelector('#failures-section ul.kinds').textContent")
+    assert "kv_cache_too_small ×1: the KV cache left after the weights" in legend
+
+
+def test_baselines_are_marked_and_their_names_escaped(curve_study, browser):
+    page = opened(browser, curve_study.page)
+    badges = page.eval("[...document.querySelectorAll('#baselines .badge.baseline')]"
+                       ".map(b => b.textContent)")
+    assert sorted(badges) == sorted(f"baseline: {n}" for n in
+                                    ("vllm-defaults", "hand-tuned", ODD_NAME))
+    assert page.eval("[...document.querySelectorAll('b')].filter(b => b.textContent == 'tight')"
+                     ".length") == 0
+    assert "&lt;b&gt;tight&lt;/b&gt; &amp; co" in curve_study.page.read_text()
+
+
+def test_report_of_a_study_still_running_marks_the_running_trial(curve_study, browser):
+    partial = curve_study.partial
+    assert len(partial["running"]) == 1
+    page = opened(browser, partial["path"])
+    assert page.errors == []
+    assert "still running: 1 trial in progress" in page.eval(
+        "document.getElementById('partial').textContent")
+    running = page.eval("[...document.querySelectorAll('#trials tr')].filter(tr =>"
+                        " tr.querySelector('.badge.running')).map(tr => +tr.dataset.trial)")
+    assert running == partial["running"]
+    # what was finished by then is there, with the numbers storage held then
+    assert page.eval("document.querySelectorAll('#front tbody tr').length") >= 1
+    assert page.eval("document.querySelectorAll('#plot-pareto svg').length") == 1
+
+
+def test_committed_h200_study_through_the_report_command(tmp_path, browser):
+    """The real H200 study (no per-level records): `python -m tuner report` writes the page."""
+    shutil.copy(ROOT / "studies" / "h200-full.db", tmp_path / "h200-full.db")
+    out = subprocess.run([sys.executable, "-m", "tuner", "report", "--study",
+                          "studies/h200-full.toml", "--storage",
+                          f"sqlite:///{tmp_path}/h200-full.db", "--results", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    folder = tmp_path / "h200-full"
+    csv = pd.read_csv(folder / "trials.csv")
+    page = opened(browser, folder / "report.html")
+    assert page.errors == []
+    assert assert_numbers_equal_csv(page.eval(CELLS_JS), csv) > 100
+    assert page.eval("document.querySelectorAll('#roofline tbody tr').length") == \
+        int(csv["roofline_pct"].notna().sum()) > 0
+    assert page.eval("document.querySelectorAll('.command').length") == len(export.PREFERENCES)
+    assert "no load levels recorded" in page.eval("document.getElementById('curves').textContent")
+    assert "NVIDIA H200" in page.eval("document.getElementById('summary').textContent")
+
+
+MARKUP = '<img src=x onerror="console.error(1)"><script>console.error(2)</script>'
+
+
+def test_every_string_from_storage_is_escaped(tmp_path, browser):
+    """Markup in what storage holds (messages, names, the command, the device) stays text."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+    from optuna.trial import TrialState, create_trial
+
+    cfg = parse_study(study_doc(False), "<html test>", {"storage": f"sqlite:///{tmp_path}/m.db",
+                                                        "results_dir": str(tmp_path)})
+    study = optuna.create_study(study_name=cfg.name, storage=cfg.storage,
+                                directions=["maximize", "maximize", "minimize"])
+    study.set_user_attr("config", {"model": MARKUP, "workload": {"prompt_tokens": MARKUP}})
+    dists = {"gpu_memory_utilization": FloatDistribution(0.1, 0.9, step=0.1),
+             "max_model_len": CategoricalDistribution([1024, 4096]),
+             "max_num_seqs": CategoricalDistribution([1, 4])}
+    params = {"gpu_memory_utilization": 0.5, "max_model_len": 1024, "max_num_seqs": 4}
+    common = {"gpu_name": MARKUP, "vllm_version": MARKUP, "baseline": MARKUP,
+              "baseline_source": MARKUP, "predicted_reason": MARKUP,
+              "command": shlex.join(["vllm", "serve", MARKUP, "--max-num-seqs", "4"])}
+    study.add_trial(create_trial(state=TrialState.COMPLETE, values=[90.0, 400.0, 40.0],
+                                 params=params, distributions=dists,
+                                 user_attrs={**common, "failure": ""},
+                                 constraints={"memory": 0.0, "launch": 0.0}))
+    study.add_trial(create_trial(state=TrialState.COMPLETE, values=[0.0, 0.0, 1e6],
+                                 params={**params, "max_model_len": 4096}, distributions=dists,
+                                 user_attrs={**common, "failure": MARKUP, "failure_message": MARKUP},
+                                 constraints={"memory": 1.0, "launch": 0.0}))
+    path = html_report.write(study, cfg)
+    page = opened(browser, path)
+    assert page.errors == []                  # neither the img's handler nor the script ran
+    assert page.eval("document.images.length") == 0
+    assert page.eval("document.scripts.length") == 1          # the page's own
+    text = page.eval("document.body.innerText")
+    assert text.count(MARKUP) >= 5            # shown as text: summary, badges, tables, failure
+    assert MARKUP in page.eval("document.getElementById('cmd-balanced').textContent")
+
+
+def test_plot_text_is_escaped_in_the_inline_svg():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def draw(path):
+        fig, ax = plt.subplots()
+        ax.set_title(MARKUP)
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+    svg = html_report.svg(draw, "t")
+    assert svg.startswith("<svg") and "<img" not in svg and "<script" not in svg
+    assert "&lt;img src=x" in svg
+    assert 'id="t-' in svg and "<metadata>" not in svg

@@ -1,0 +1,186 @@
+"""vLLM's log: the failure patterns that classify a launch and the capacity facts of a ready server."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tuner.engines.base import line_at as _line_at, log_tail, root_cause as _root_cause  # noqa: F401
+from tuner.records import Capacity, LaunchFailure
+
+# ---------------------------------------------------------------------------------------------
+# Classification. One table; order matters (the first kind whose pattern matches wins), and each
+# pattern is written against vLLM 0.24 (GPU) and 0.32 (CPU build) wording, tolerant of small
+# differences (commas in numbers, optional parentheses).
+
+
+@dataclass(frozen=True)
+class FailurePattern:
+    kind: str
+    regex: re.Pattern[str]
+    needed_group: str | None = None      # named group holding the needed GiB
+    available_group: str | None = None   # named group holding the available GiB
+    source: str = ""                     # where vLLM prints it
+
+
+FAILURE_PATTERNS: tuple[FailurePattern, ...] = (
+    FailurePattern(
+        "kv_cache_too_small",
+        re.compile(r"To serve at least one request with the model'?s max seq len\s*\(\s*[\d,]+\s*\),?\s*"
+                   r"\(?\s*(?P<needed>[\d.,]+)\s*GiB KV cache is needed, which is larger than the "
+                   r"available KV cache memory\s*\(\s*(?P<available>-?[\d.,]+)\s*GiB\)"),
+        "needed", "available", "vllm/v1/core/kv_cache_utils.py _check_enough_kv_cache_memory"),
+    FailurePattern(
+        # older wording (vLLM < 0.7): no GiB figures, only token counts
+        "kv_cache_too_small",
+        re.compile(r"max seq len \([\d,]+\) is larger than the maximum number of tokens that can be "
+                   r"stored in KV cache"),
+        source="vllm/engine (old)"),
+    FailurePattern(
+        "no_cache_blocks",
+        re.compile(r"No available memory for the cache blocks"),
+        source="vllm/v1/core/kv_cache_utils.py"),
+    FailurePattern(
+        # CPU build, requested kv <= 0: gpu-memory-utilization does not even hold the weights.
+        # Must precede the positive case below.
+        "no_cache_blocks",
+        re.compile(r"Available memory on node \d+ \(\s*(?P<available>-?[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
+                   r"on kv cache allocation is less than requested memory for kv "
+                   r"\(\s*(?P<needed>-[\d.,]+|0(?:\.0+)?)\s*(?:/\s*[\d.,]+\s*)?GiB\)"),
+        "needed", "available", "vllm/v1/worker/cpu_worker.py determine_available_memory"),
+    FailurePattern(
+        "insufficient_free_memory",
+        re.compile(r"Available memory on node \d+ \(\s*(?P<available>-?[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
+                   r"on kv cache allocation is less than requested memory for kv "
+                   r"\(\s*(?P<needed>[\d.,]+)\s*(?:/\s*[\d.,]+\s*)?GiB\)"),
+        "needed", "available", "vllm/v1/worker/cpu_worker.py determine_available_memory"),
+    FailurePattern(
+        "no_cache_blocks",
+        re.compile(r"Externally held weights on device .*?exceed the desired GPU memory utilization"),
+        source="vllm/v1/worker/utils.py"),
+    FailurePattern(
+        "insufficient_free_memory",
+        re.compile(r"Free memory on device\s*\S*\s*\(\s*(?P<available>[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
+                   r"on startup is less than (?:desired GPU memory utilization|the engine's budget)"
+                   r"[^(]*\(\s*[\d.]+\s*,\s*(?P<needed>[\d.,]+)\s*GiB\)"),
+        "needed", "available", "vllm/v1/worker/utils.py request_memory"),
+    FailurePattern(
+        "insufficient_free_memory",
+        re.compile(r"Available memory on node \d+ \(\s*(?P<available>[\d.,]+)\s*/\s*[\d.,]+\s*GiB\) "
+                   r"on startup is less than desired CPU memory utilization "
+                   r"\(\s*[\d.]+\s*,\s*(?P<needed>[\d.,]+)\s*GiB\)"),
+        "needed", "available", "vllm/v1/worker/cpu_worker.py init_device"),
+    FailurePattern(
+        "oom",
+        re.compile(r"(?:CUDA|HIP|XPU) out of memory|OutOfMemoryError\b|CUDA error: out of memory|"
+                   r"DefaultCPUAllocator: can.t allocate memory"),
+        source="torch"),
+    FailurePattern(
+        "cpu_offload",
+        re.compile(r"Total CPU offloaded parameters:?\s*(?P<needed>[\d.,]*[1-9][\d.,]*)"),
+        "needed", None, "vllm/model_executor/offloader/uva.py"),
+    FailurePattern(
+        "port_in_use",
+        re.compile(r"Address already in use|\[Errno 98\]|error while attempting to bind on address"),
+        source="uvicorn / socket"),
+)
+
+# Lines after which vLLM will not become ready even though no table pattern names the cause.
+_FATAL_MARKERS = re.compile(r"Engine core initialization failed|EngineCore failed to start|"
+                            r"Engine process failed to start|EngineDeadError")
+_ESTIMATED_LEN = re.compile(r"estimated maximum model length is\s*([\d,]+)")
+_TORCH_OOM_NEEDED = re.compile(r"Tried to allocate\s*([\d.,]+)\s*(GiB|MiB)")
+_TORCH_OOM_FREE = re.compile(r"of which\s*([\d.,]+)\s*(GiB|MiB)\s*is free")
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def _gib(value: str, unit: str) -> float:
+    return _number(value) / (1024.0 if unit == "MiB" else 1.0)
+
+
+def classify(log_text: str) -> LaunchFailure | None:
+    """The failure a server log shows, or None if it shows none."""
+    for pattern in FAILURE_PATTERNS:
+        match = pattern.regex.search(log_text)
+        if match is None:
+            continue
+        line = _line_at(log_text, match.start())
+        needed = _number(match[pattern.needed_group]) if pattern.needed_group else None
+        available = _number(match[pattern.available_group]) if pattern.available_group else None
+        estimated = None
+        if pattern.kind == "kv_cache_too_small":
+            found = _ESTIMATED_LEN.search(line)
+            estimated = int(_number(found[1])) if found else None
+        elif pattern.kind == "oom":
+            # torch's message may span lines after the exception name; look in what follows
+            after = log_text[match.start():match.start() + 2000]
+            if (found := _TORCH_OOM_NEEDED.search(after)) is not None:
+                needed = _gib(found[1], found[2])
+            if (found := _TORCH_OOM_FREE.search(after)) is not None:
+                available = _gib(found[1], found[2])
+        return LaunchFailure(kind=pattern.kind, message=line, needed_gib=needed, available_gib=available,
+                             estimated_max_model_len=estimated, log_tail=log_tail(log_text))
+    marker = _FATAL_MARKERS.search(log_text)
+    if marker is not None:
+        return LaunchFailure(kind="crashed", message=_root_cause(log_text) or _line_at(log_text, marker.start()),
+                             log_tail=log_tail(log_text))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Capacity.
+
+_WEIGHTS = re.compile(r"Model loading took\s*([\d.,]+)\s*GiB")
+_KV_GIB = (re.compile(r"Available KV cache memory:\s*([\d.,]+)\s*GiB"),
+           re.compile(r"(?:Auto|Explicitly) set \(\s*([\d.,]+)\s*/\s*[\d.,]+\s*\)\s*GiB for KV cache"))
+_KV_TOKENS = re.compile(r"KV cache size:\s*([\d,]+)\s*tokens")
+_CONCURRENCY = re.compile(r"Maximum concurrency for\s*[\d,]+\s*tokens per request:\s*([\d.,]+)\s*x")
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(.*)\}", re.M)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _first(regexes, text: str) -> str | None:
+    for regex in regexes:
+        if (found := regex.search(text)) is not None:
+            return found[1]
+    return None
+
+
+def parse_cache_config_info(metrics_text: str) -> tuple[tuple[str, str], ...]:
+    """Labels of the first `vllm:cache_config_info` sample of a Prometheus text page."""
+    found = _CACHE_INFO.search(metrics_text)
+    return tuple(_LABEL.findall(found[1])) if found else ()
+
+
+def _int_label(labels: dict[str, str], name: str) -> int | None:
+    try:
+        return int(labels[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def parse_capacity(log_text: str, metrics_text: str = "", ready_s: float = 0.0) -> Capacity:
+    """Capacity facts from a ready server's log, completed by `/metrics` where the log lacks them."""
+    weights = _first([_WEIGHTS], log_text)
+    kv_gib = _first(_KV_GIB, log_text)
+    tokens = _first([_KV_TOKENS], log_text)
+    concurrency = _first([_CONCURRENCY], log_text)
+    cache_config = parse_cache_config_info(metrics_text)
+    labels = dict(cache_config)
+    kv_tokens = int(_number(tokens)) if tokens else _int_label(labels, "kv_cache_size_tokens")
+    max_concurrency = _number(concurrency) if concurrency else None
+    if max_concurrency is None and labels.get("kv_cache_max_concurrency", "None") != "None":
+        max_concurrency = float(labels["kv_cache_max_concurrency"])
+    return Capacity(
+        weights_gib=_number(weights) if weights else None,
+        kv_cache_gib=_number(kv_gib) if kv_gib else None,
+        kv_cache_tokens=kv_tokens,
+        max_concurrency=max_concurrency,
+        num_gpu_blocks=_int_label(labels, "num_gpu_blocks"),
+        block_size=_int_label(labels, "block_size"),
+        ready_s=ready_s,
+        cache_config=cache_config,
+    )

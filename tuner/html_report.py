@@ -1,0 +1,435 @@
+"""results/NAME/report.html: one self-contained page a person reads (front, load curves, failures, commands)."""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from tuner import export, report
+from tuner.config import StudyConfig
+from tuner.report import LABELS, OBJECTIVES
+
+# Columns of each table: (column, header, digits); digits None for text.
+OBJECTIVE_COLUMNS = [("single_stream_tok_s", "single-stream tok/s", 1),
+                     ("throughput_tok_s", "throughput tok/s", 1),
+                     ("ttft_ms", "TTFT p50 ms", 1)]
+LEVEL_FIGURES = [("throughput_tok_s", "throughput tok/s", 1), ("ttft_ms", "TTFT p50 ms", 1),
+                 ("ttft_ms_p90", "TTFT p90 ms", 1), ("tpot_ms", "TPOT p50 ms", 2),
+                 ("e2e_ms_p90", "E2E p90 ms", 1)]
+FAILURE_FACTS = [("failure_message", "what the log or the tuner said", None),
+                 ("estimated_max_model_len", "vLLM: fits tokens", 0),
+                 ("needed_gib", "vLLM: needed GiB", 2), ("available_gib", "vLLM: available GiB", 2),
+                 ("predicted_fits", "model: fits", None),
+                 ("predicted_max_model_len_fit", "model: fits tokens", 0),
+                 ("predicted_needed_gib", "model: needed GiB", 2),
+                 ("predicted_available_gib", "model: available GiB", 2),
+                 ("predicted_reason", "memory model said", None)]
+# What a failure kind means, for a reader who has not read vLLM's logs.
+FAILURE_MEANING = {
+    "kv_cache_too_small": "the KV cache left after the weights cannot hold one max-model-len request",
+    "oom": "CUDA (or host) out of memory during the launch",
+    "no_cache_blocks": "no memory was left for any KV cache block",
+    "insufficient_free_memory": "other processes held the memory this config asked for",
+    "cpu_offload": "weights were offloaded to the CPU",
+    "predicted_infeasible": "not launched: the memory model or an earlier failure ruled it out",
+    "gpu_busy": "not launched: the GPU stayed busy",
+    "load_test_failed": "launched, but too many requests of a load level failed",
+    "startup_timeout": "the server did not become ready in time",
+    "interrupted": "the run was stopped during this trial; the config was queued again",
+    "tuner_error": "a fault of the tuner itself",
+    "duplicate": "a repeat of a measured config (not launched)",
+}
+
+
+# ---------------------------------------------------------------- cells
+
+
+def _missing(value) -> bool:
+    if value is None or value is pd.NA:
+        return True
+    try:
+        return bool(pd.isna(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _number(value) -> float | None:
+    if _missing(value) or isinstance(value, (bool, str)):
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def fmt(value, digits: int | None) -> str:
+    """A value as the page shows it: numbers rounded to `digits`, text as it is."""
+    if _missing(value):
+        return ""
+    x = _number(value)
+    if digits is None or x is None:
+        return str(value)
+    return f"{x:,.{digits}f}"
+
+
+def cell(value, column: str, digits: int | None = None) -> str:
+    """One <td>, escaped; a number also carries its full value (data-value) for tests and scripts."""
+    text = html.escape(fmt(value, digits))
+    x = _number(value) if digits is not None else None
+    if x is None:
+        return f'<td data-col="{html.escape(column)}">{text}</td>'
+    return (f'<td class="num" data-col="{html.escape(column)}" data-value="{x!r}">{text}</td>')
+
+
+def table(rows: pd.DataFrame, columns: list[tuple[str, str, int | None]], table_id: str,
+          extra=None, drop_empty: bool = False) -> str:
+    """A table of `rows` (one <tr data-trial> each); `extra(row)` adds leading cells;
+    `drop_empty` leaves out columns no row has a value in."""
+    columns = [c for c in columns if c[0] in rows.columns and not (
+        drop_empty and rows[c[0]].map(lambda v: _missing(v) or v == "").all())]
+    head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in columns)
+    lead = extra.header if extra is not None else ""
+    body = []
+    for _, row in rows.iterrows():
+        cells = extra(row) if extra is not None else ""
+        cells += "".join(cell(row.get(c), c, d) for c, _, d in columns)
+        trial = row.get("trial")
+        attr = f' data-trial="{int(trial)}"' if _number(trial) is not None else ""
+        body.append(f"<tr{attr}>{cells}</tr>")
+    return (f'<table id="{table_id}"><thead><tr>{lead}{head}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table>')
+
+
+class _Marks:
+    """Leading cells of a trial row: its number and badges (Pareto, baseline, running, failure)."""
+
+    header = "<th>trial</th><th>marks</th>"
+
+    def __call__(self, row) -> str:
+        badges = []
+        if row.get("state") == "RUNNING":
+            badges.append('<span class="badge running">running</span>')
+        elif row.get("state") not in ("COMPLETE", None):
+            badges.append(f'<span class="badge failed">{html.escape(str(row.get("state")))}</span>')
+        if bool(row.get("pareto")):
+            badges.append('<span class="badge pareto">Pareto</span>')
+        baseline = row.get("baseline")
+        if isinstance(baseline, str) and baseline:
+            badges.append(f'<span class="badge baseline">baseline: {html.escape(baseline)}</span>')
+        failure = row.get("failure")
+        if isinstance(failure, str) and failure:
+            badges.append(f'<span class="badge failure">{html.escape(failure)}</span>')
+        return (f'<td class="num" data-col="trial" data-value="{int(row["trial"])}">'
+                f'{int(row["trial"])}</td><td>{" ".join(badges)}</td>')
+
+
+# ---------------------------------------------------------------- plots
+
+
+def svg(draw, name: str) -> str:
+    """A figure `draw(path)` saves (report.plot_*) as inline SVG, its ids prefixed so several can
+    share one page."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    with tempfile.TemporaryDirectory() as tmp, matplotlib.rc_context(
+            {"svg.fonttype": "none", "svg.hashsalt": name}):
+        path = draw(Path(tmp) / f"{name}.svg")
+        text = path.read_text(encoding="utf-8")
+    text = text[text.index("<svg"):]
+    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)   # RDF naming matplotlib
+    text = re.sub(r'\bid="([^"]+)"', rf'id="{name}-\1"', text)
+    text = re.sub(r"url\(#([^)]+)\)", rf"url(#{name}-\1)", text)
+    return re.sub(r'href="#([^"]+)"', rf'href="#{name}-\1"', text)
+
+
+def figure(draw, name: str, caption: str) -> str:
+    return (f'<figure id="plot-{name}" class="plot">{svg(draw, name)}'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+
+
+# ---------------------------------------------------------------- sections
+
+
+def params_of(df: pd.DataFrame, cfg: StudyConfig) -> list[tuple[str, str, int | None]]:
+    """The searched flags present in the frame, as table columns."""
+    names = [d.name for d in cfg.dimensions] or list(report.PARAMS)
+    digits = {"gpu_memory_utilization": 2}
+    return [(n, n.replace("_", "-"), digits.get(n, 0)) for n in names
+            if n in df.columns and df[n].notna().any()]
+
+
+def section(section_id: str, title: str, body: str) -> str:
+    return f'<section id="{section_id}"><h2>{html.escape(title)}</h2>{body}</section>'
+
+
+def para(text: str) -> str:
+    return f"<p>{html.escape(text)}</p>"
+
+
+def summary_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
+    config = study.user_attrs.get("config", {})
+    states = df["state"].value_counts().to_dict() if len(df) else {}
+    running = int(states.get("RUNNING", 0))
+    first = df.iloc[0] if len(df) else pd.Series(dtype=object)
+    facts = [("study", cfg.name), ("storage", cfg.storage),
+             ("model", config.get("model") or cfg.model),
+             ("device", first.get("gpu_name")), ("vLLM", first.get("vllm_version")),
+             ("trials", ", ".join(f"{k.lower()} {v}" for k, v in states.items()) or "none yet"),
+             ("generated", time.strftime("%Y-%m-%d %H:%M:%S %Z"))]
+    items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>"
+                    for k, v in facts if not _missing(v) and v != "")
+    body = f'<dl class="facts">{items}</dl>'
+    if running:
+        body += (f'<p id="partial" class="partial">The study is still running: {running} '
+                 f"trial{'s' if running > 1 else ''} in progress (shown as running); "
+                 "this page is a snapshot. Run <code>python -m tuner report</code> again later.</p>")
+    w = config.get("workload") or {}
+    if w:
+        keys = ("prompt_tokens", "output_tokens", "levels", "request_rates", "max_concurrency",
+                "warmup_requests", "replicates")
+        shown = ", ".join(f"{k} {w[k]}" for k in keys if w.get(k) not in (None, [], ()))
+        body += para(f"workload: {shown}")
+    return section("summary", f"tuner study {cfg.name}", body)
+
+
+def noise_section(df: pd.DataFrame) -> str:
+    noise = df.attrs.get("noise") or {}
+    body = para(report.describe_noise(noise))
+    if noise:
+        rows = pd.DataFrame([{"objective": k, "cv_pct": v["cv"] * 100, "dof": v["dof"],
+                              "configs": v["configs"]} for k, v in noise.items()])
+        body += table(rows, [("objective", "objective", None),
+                             ("cv_pct", "coefficient of variation %", 2),
+                             ("dof", "degrees of freedom", 0), ("configs", "configs", 0)], "noise")
+    return section("noise-section", "Measured noise", body)
+
+
+def commands_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
+    front = df[df["pareto"]]
+    if front.empty:
+        return section("commands", "Commands to copy",
+                       para("no feasible measured config yet: no command to export"))
+    blocks = []
+    for prefer in export.PREFERENCES:
+        row = export.choose(front, prefer, df.attrs.get("noise"), cfg.tie_tolerance)
+        e = export.exported(row, study, cfg)
+        figures = ", ".join(f"{h} {fmt(row.get(c), d)}" for c, h, d in OBJECTIVE_COLUMNS)
+        notes = "".join(f"<li>{html.escape(n)}</li>" for n in e.notes)
+        blocks.append(
+            f'<div class="command" data-prefer="{prefer}" data-trial="{int(row["trial"])}">'
+            f"<h3>--prefer {prefer}: trial {int(row['trial'])}</h3><p>{html.escape(figures)}</p>"
+            f'<div class="cmdline"><pre><code id="cmd-{prefer}">{html.escape(e.command())}'
+            f'</code></pre><button type="button" class="copy" data-target="cmd-{prefer}">copy'
+            f"</button></div>" + (f"<ul class=\"notes\">{notes}</ul>" if notes else "") + "</div>")
+    intro = para("python -m tuner export --prefer NAME prints the same line; balanced weighs only "
+                 "the objectives whose spread across the front is beyond the measured noise.")
+    return section("commands", "Commands to copy", intro + "".join(blocks))
+
+
+def front_section(cfg: StudyConfig, df: pd.DataFrame, params) -> str:
+    front = df[df["pareto"]]
+    stds = [(f"{k}_std", f"{h} sd", d) for k, h, d in OBJECTIVE_COLUMNS]
+    body = para(f"{len(front)} configs no other beats beyond the measured noise. "
+                + "; ".join(f"{k}: {LABELS[k]}" for k in OBJECTIVES))
+    body += table(front, params + OBJECTIVE_COLUMNS + stds + [("runs", "runs", 0),
+                                                              ("roofline_pct", "roofline %", 1)],
+                  "front", _Marks(), drop_empty=True)
+    measured = df[df[list(OBJECTIVES)].notna().all(axis=1)] if len(df) else df
+    if len(measured):
+        body += figure(lambda p: report.plot_projections(df, p, cfg.name), "pareto",
+                       caption="the three pairwise projections of the objectives: red stars the "
+                               "Pareto set, circles the baselines")
+    return section("front-section", "Pareto front", body)
+
+
+def curves_section(cfg: StudyConfig, df: pd.DataFrame, levels: pd.DataFrame) -> str:
+    if levels.empty or "name" not in levels.columns:
+        return section("curves", "Load curves",
+                       para("no load levels recorded (a study from before per-level records, or "
+                            "nothing measured yet)"))
+    body = ""
+    if {"throughput_tok_s", "ttft_ms"} <= set(levels.columns):
+        body += figure(lambda p: report.plot_curves(df, levels, p, cfg.name), "curves",
+                       caption="each config's throughput-latency curve over the load levels "
+                               "(first launch)")
+    first = levels[levels["launch"] == 0]
+    order = list(dict.fromkeys(first["name"]))
+    head = "".join(f'<th colspan="{len(LEVEL_FIGURES)}">{html.escape(str(n))}</th>' for n in order)
+    sub = "".join(f"<th>{html.escape(h)}</th>" for _ in order for _, h, _ in LEVEL_FIGURES)
+    by_trial = df.set_index("trial")
+    rows = []
+    for number, part in first.groupby("trial", sort=True):
+        part = part.set_index("name")
+        marks = _Marks()(by_trial.loc[number].to_dict() | {"trial": number}) \
+            if number in by_trial.index else f"<td>{int(number)}</td><td></td>"
+        cells = "".join(cell(part.at[n, k] if n in part.index and k in part.columns else None,
+                             f"{n}_{k}", d) for n in order for k, _, d in LEVEL_FIGURES)
+        rows.append(f'<tr data-trial="{int(number)}">{marks}{cells}</tr>')
+    body += para("every config meets the same levels; one column group per level, first launch "
+                 "of each config (levels.csv holds every launch)")
+    body += (f'<div class="wide"><table id="levels"><thead><tr><th rowspan="2">trial</th>'
+             f'<th rowspan="2">marks</th>{head}</tr><tr>{sub}</tr></thead>'
+             f'<tbody>{"".join(rows)}</tbody></table></div>')
+    return section("curves", "Load curves", body)
+
+
+def failures_section(df: pd.DataFrame, params, duplicates: int) -> str:
+    mask = (df["failure"] != "") | (df["state"] != "COMPLETE")
+    if "relaunch_failed" in df.columns:
+        mask |= df["relaunch_failed"] != ""
+    failed = df[mask & (df["state"] != "RUNNING")]
+    body = ""
+    if len(failed):
+        kinds = failed["failure"].replace("", "relaunch_failed").value_counts()
+        items = "".join(f"<li><b>{html.escape(k)}</b> ×{v}: "
+                        f"{html.escape(FAILURE_MEANING.get(k, ''))}</li>" for k, v in kinds.items())
+        body += f'<ul class="kinds">{items}</ul>'
+        facts = list(FAILURE_FACTS)
+        if "relaunch_failed" in df.columns:
+            facts.insert(0, ("relaunch_failed", "a relaunch failed", None))
+        body += f'<div class="wide">{table(failed, params + facts, "failures", _Marks(), drop_empty=True)}</div>'
+    else:
+        body += para("no launch failed and no config was skipped")
+    if duplicates:
+        body += para(f"{duplicates} proposals repeated a measured config and were not launched")
+    body += para("vLLM: what the failed launch's log said; model: what the memory model predicted "
+                 "before the launch (empty where it was off)")
+    return section("failures-section", "Failures and skips", body)
+
+
+def roofline_section(df: pd.DataFrame, params) -> str:
+    rows = df[df["roofline_pct"].notna()] if "roofline_pct" in df.columns else df.iloc[0:0]
+    if rows.empty:
+        return section("roofline-section", "Roofline share",
+                       para("not recorded: the roofline needs the memory model and the GPU's "
+                            "memory bandwidth"))
+    parts = []
+    for _, row in rows.iterrows():
+        pct = max(0.0, min(100.0, float(row["roofline_pct"])))
+        parts.append(f'<div class="bar"><span>trial {int(row["trial"])}</span>'
+                     f'<div class="track"><div class="fill" style="width:{pct:.1f}%"></div></div>'
+                     f"<span>{pct:.1f} %</span></div>")
+    body = para("single-stream decode speed as a share of the memory-bandwidth bound "
+                "(weights and KV cache read once per token)")
+    body += table(rows, params + [("single_stream_tok_s", "single-stream tok/s", 1),
+                                  ("roofline_tok_s", "roofline tok/s", 1),
+                                  ("roofline_pct", "roofline %", 1),
+                                  ("offload_suspected", "offload suspected", None)],
+                  "roofline", _Marks())
+    body += f'<div class="bars">{"".join(parts)}</div>'
+    return section("roofline-section", "Roofline share", body)
+
+
+def baselines_section(df: pd.DataFrame, params) -> str:
+    rows = df[df["baseline"] != ""] if len(df) else df
+    if rows.empty:
+        return section("baselines", "Baselines", para("no baseline measured yet"))
+    cols = params + OBJECTIVE_COLUMNS + [("baseline_source", "values from", None),
+                                         ("baseline_snapped", "snapped into the space", None)]
+    return section("baselines", "Baselines",
+                   para("vLLM's defaults and the hand-tuned config, measured first (marked in "
+                        "every table and plot)") + table(rows, cols, "baselines", _Marks()))
+
+
+def trials_section(cfg: StudyConfig, df: pd.DataFrame, params) -> str:
+    cols = params + OBJECTIVE_COLUMNS + [("runs", "runs", 0), ("kv_cache_tokens", "KV tokens", 0),
+                                         ("roofline_pct", "roofline %", 1),
+                                         ("preemptions", "preemptions", 0),
+                                         ("launch_s", "launch s", 1)]
+    body = f'<div class="wide">{table(df, cols, "trials", _Marks())}</div>'
+    if len(df) and df["max_model_len"].notna().any():
+        body += figure(lambda p: report.plot_parameters(df, p, cfg.name), "parameters",
+                       caption="where configs fit, and parallel coordinates of flags and objectives")
+    return section("trials-section", "Every trial", body)
+
+
+STYLE = """
+body{font:14px/1.45 system-ui,sans-serif;margin:1.5em auto;max-width:1400px;padding:0 1em;color:#222}
+h1,h2{font-weight:600} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}
+table{border-collapse:collapse;margin:.6em 0;font-size:13px}
+th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
+th{background:#f4f4f4} td.num{text-align:right;font-variant-numeric:tabular-nums}
+.wide{overflow-x:auto} figure.plot{margin:1em 0} figure.plot svg{max-width:100%;height:auto}
+figcaption{color:#555;font-size:12px}
+.badge{display:inline-block;border-radius:3px;padding:0 5px;margin:1px;font-size:11px;color:#fff}
+.pareto{background:#d62728} .baseline{background:#1f77b4} .running{background:#2ca02c}
+.failed{background:#000} .failure{background:#ff7f0e}
+.partial{background:#fff3cd;border:1px solid #e0c36a;padding:.5em}
+.cmdline{display:flex;gap:.5em;align-items:flex-start}
+.cmdline pre{flex:1;background:#f6f8fa;padding:.6em;margin:0;white-space:pre-wrap;word-break:break-all}
+button.copy{padding:.3em .9em;cursor:pointer}
+dl.facts{display:grid;grid-template-columns:max-content 1fr;gap:2px 1em} dd{margin:0}
+.bars .bar{display:flex;align-items:center;gap:.6em;margin:3px 0;font-size:12px}
+.bars .bar span:first-child{width:5em} .bars .track{background:#eee;height:14px;width:500px}
+.bars .fill{background:#1f77b4;height:100%}
+"""
+
+# Copying: the Clipboard API where the browser allows it (https, localhost), else the selection
+# and execCommand, which file:// pages still have.
+SCRIPT = """
+document.querySelectorAll("button.copy").forEach(function (button) {
+  button.addEventListener("click", function () {
+    var code = document.getElementById(button.dataset.target);
+    var text = code.textContent;
+    function selected() {
+      var range = document.createRange();
+      range.selectNodeContents(code);
+      var sel = window.getSelection();
+      sel.removeAllRanges();
+      sel.addRange(range);
+      var ok = false;
+      try { ok = document.execCommand("copy"); } catch (e) { ok = false; }
+      button.textContent = ok ? "copied" : "selected: press Ctrl+C";
+    }
+    if (navigator.clipboard && window.isSecureContext) {
+      navigator.clipboard.writeText(text).then(function () { button.textContent = "copied"; },
+                                               selected);
+    } else {
+      selected();
+    }
+  });
+});
+"""
+
+
+def page(study, cfg: StudyConfig, df: pd.DataFrame | None = None,
+         levels: pd.DataFrame | None = None) -> str:
+    """The whole page as one string: inline CSS, SVG plots and script; nothing fetched."""
+    from optuna.trial import TrialState
+
+    df = report.trials_frame(study, cfg.tie_tolerance) if df is None else df
+    levels = report.levels_frame(study) if levels is None else levels
+    duplicates = sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                     if t.user_attrs.get("failure") == "duplicate")
+    params = params_of(df, cfg)
+    if df.empty:
+        sections = [summary_section(study, cfg, df), para("no trials yet")]
+    else:
+        sections = [summary_section(study, cfg, df), commands_section(study, cfg, df),
+                    front_section(cfg, df, params), noise_section(df),
+                    curves_section(cfg, df, levels), roofline_section(df, params),
+                    baselines_section(df, params), failures_section(df, params, duplicates),
+                    trials_section(cfg, df, params)]
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>tuner: {html.escape(cfg.name)}</title><style>{STYLE}</style></head><body>"
+            + "".join(sections) + f"<script>{SCRIPT}</script></body></html>\n")
+
+
+def write(study, cfg: StudyConfig, df: pd.DataFrame | None = None,
+          levels: pd.DataFrame | None = None) -> Path:
+    """results/NAME/report.html, replaced whole (a reader never sees half a page)."""
+    path = cfg.results_path / "report.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".html.tmp")
+    tmp.write_text(page(study, cfg, df, levels), encoding="utf-8")
+    tmp.replace(path)
+    return path
