@@ -319,3 +319,10 @@ class Platform:
     bandwidth_gbps: float | None
     engine: tuple[str, ...]
     vllm_version: str
+
+
+def is_feasible(t) -> bool:
+    """An Optuna trial that measured a config meeting every constraint: COMPLETE, no failure recorded,
+    every constraint <= 0 (Optuna's own feasibility rule)."""
+    return (t.state.name == "COMPLETE" and not t.user_attrs.get("failure")
+            and all(v <= 0 for v in t.constraints.values()))

@@ -20,6 +20,7 @@ from optuna.trial import FrozenTrial, TrialState
 from tuner import engines, plan, presets, progress, requirement, space
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
+from tuner.records import is_feasible
 from tuner.records import (Capacity, LaunchFailure, LaunchSpec, LoadMetrics, Platform,  # noqa: F401
                            TrialOutcome)
 
@@ -209,8 +210,7 @@ def penalty_values(cfg: StudyConfig, study: optuna.Study | None = None) -> tuple
     far that 40 ms and 360 ms of TTFT look alike. Before any feasible trial: 0, 0 and the timeout.
     """
     measured = [t.values for t in (study.get_trials(deepcopy=False) if study is not None else ())
-                if t.state == TrialState.COMPLETE and t.values is not None
-                and not t.user_attrs.get("failure") and all(v <= 0 for v in t.constraints.values())]
+                if is_feasible(t) and t.values is not None]
     if not measured:
         return 0.0, 0.0, cfg.workload.request_timeout_s * 1000.0
     return (min(v[0] for v in measured), min(v[1] for v in measured), max(v[2] for v in measured))
@@ -733,8 +733,7 @@ class Tuner:
         if not self.cfg.replicates:
             return
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if t.user_attrs.get("baseline") and t.user_attrs.get("failure", "") == "" and \
-                    all(v <= 0 for v in t.constraints.values()):
+            if t.user_attrs.get("baseline") and is_feasible(t):
                 self.relaunch(study, t.number, "replicate", self.cfg.replicates)
 
     def relaunch(self, study: optuna.Study, number: int, kind: str, count: int) -> list[dict]:
