@@ -14,6 +14,10 @@ streaming endpoint. FAKE_MODE (environment) picks how completions misbehave:
   port_taken_once   like port_taken on the first launch (FAKE_STATE file marks it), then ok
 
 FAKE_START_DELAY and FAKE_STREAM_DELAY (seconds) widen the launch and load windows.
+FAKE_DIE_AFTER=N: the completion after the first N prints vLLM's CUDA OOM traceback and the server
+exits 1 (a config that fits at launch and dies under load). FAKE_MAX_MODEL_LEN: a completion whose
+prompt + max_tokens exceed it is refused with vLLM's HTTP 400. FAKE_KV_TOKENS: the startup log
+states this KV cache size, as vLLM's does.
 FAKE_HOLD_DIR holds the server at a phase for as long as a test wants it there, so a fault meant
 for that phase cannot miss it on a slow machine: while the file `hold-launch` exists in that folder
 the server holds before it binds its port (the tuner is waiting for it to start), while `hold-load`
@@ -111,9 +115,32 @@ def chunk(payload) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
+# what vLLM's engine core prints when a forward pass runs out of memory
+OOM_TRACEBACK = """\
+(EngineCore_DP0 pid=4242) ERROR 12-03 14:00:00 [core.py:710] EngineCore encountered a fatal error.
+(EngineCore_DP0 pid=4242) ERROR 12-03 14:00:00 [core.py:710] Traceback (most recent call last):
+(EngineCore_DP0 pid=4242) ERROR 12-03 14:00:00 [core.py:710] torch.OutOfMemoryError: CUDA out of memory. \
+Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 15.77 GiB of which 312.00 MiB is free."""
+SERVED = [0]
+
+
 async def completions(request):
     body = await request.json()
     await hold_async("load")
+    die_after = os.environ.get("FAKE_DIE_AFTER")
+    if die_after is not None and SERVED[0] >= int(die_after):
+        say(OOM_TRACEBACK)
+        os._exit(1)
+    SERVED[0] += 1
+    limit = os.environ.get("FAKE_MAX_MODEL_LEN")
+    words = len(str(body.get("prompt", "")).split()) + 1
+    if limit is not None and words + int(body.get("max_tokens", 8)) > int(limit):
+        return web.json_response({"object": "error", "type": "BadRequestError", "code": 400, "message":
+                                  f"This model's maximum context length is {limit} tokens. However, "
+                                  f"you requested {words + int(body.get('max_tokens', 8))} tokens "
+                                  f"({words} in the messages, {body.get('max_tokens')} in the "
+                                  "completion). Please reduce the length of the messages or completion."},
+                                 status=400)
     say('INFO:     127.0.0.1 - "POST /v1/completions HTTP/1.1" ' + ("500" if MODE == "http500" else "200"))
     if MODE == "http500":
         return web.json_response({"object": "error", "message": "EngineCore encountered an issue",
@@ -169,6 +196,9 @@ def main() -> None:
     app.router.add_post("/v1/completions", completions)
     hold("launch")
     time.sleep(START_DELAY_S)
+    if os.environ.get("FAKE_KV_TOKENS"):
+        say(f"(EngineCore pid=1) INFO 12-03 14:00:00 [kv_cache_utils.py:1087] GPU KV cache size: "
+            f"{int(os.environ['FAKE_KV_TOKENS']):,} tokens")
     say("INFO:     Started server process")
     say("INFO:     Waiting for application startup.")
     say("INFO:     Application startup complete.")

@@ -12,7 +12,7 @@ from pathlib import Path
 from tuner import engines
 from tuner.engines.vllm import KV_CACHE_DTYPES  # noqa: F401  (its home is the engine's table)
 from tuner.errors import ConfigError
-from tuner.records import Workload
+from tuner.records import Requirement, Workload
 
 # Which flags may be searched, their kinds and ranges: the engine's flag table (tuner.engines).
 _TYPES = {"float": float, "int": int, "bool": bool, "str": str}
@@ -85,6 +85,7 @@ class StudyConfig:
     dimensions: tuple[Dimension, ...] = ()
     baselines: tuple[Baseline, ...] = ()
     workload: Workload = field(default_factory=Workload)
+    requirement: Requirement = field(default_factory=Requirement)
     storage: str = ""                         # Optuna storage URL; "" = sqlite next to the study file
     results_dir: str = "results"
     sampler: str = "auto"
@@ -420,7 +421,8 @@ def load_study(path: str | Path, overrides: dict | None = None) -> StudyConfig:
 
 def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     top = _take(doc, {"study": dict, "model": dict, "server": dict, "space": dict,
-                      "workload": dict, "slo": dict, "baselines": list}, source, "")
+                      "workload": dict, "slo": dict, "requirement": dict, "baselines": list},
+                source, "")
     study = _take(top.get("study", {}), {
         "name": str, "storage": str, "results_dir": str, "sampler": str, "seed": int,
         "confirm": int, "replicates": int, "memory_model": bool, "tie_tolerance": float},
@@ -432,7 +434,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         source, "server")
     workload_fields = {f.name: f.type for f in fields(Workload)}
     wl_types = {k: _wl_type(t) for k, t in workload_fields.items() if not k.startswith("slo_")}
-    wl_types.update(levels=list, request_rates=list)
+    wl_types.update(levels=list, request_rates=list, prompt_tokens_mix=list, output_tokens_mix=list)
     workload = _take(top.get("workload", {}), wl_types, source, "workload")
     for key, kind in (("levels", int), ("request_rates", (int, float))):
         if key in workload:
@@ -444,6 +446,15 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
                             f"always measured: single_stream_requests), got {values!r}")
             workload[key] = tuple(sorted(set(float(v) if key == "request_rates" else v
                                              for v in values)))
+    _length_mix(workload, source)
+    requirement = _take(top.get("requirement", {}), {"context_tokens": int, "sequences_at_context": int},
+                        source, "requirement")
+    for key, value in requirement.items():
+        if value < 1:
+            raise _fail(source, f"requirement.{key}", f"must be >= 1, got {value}")
+    if "sequences_at_context" in requirement and "context_tokens" not in requirement:
+        raise _fail(source, "requirement.sequences_at_context", "needs the context it counts",
+                    "set [requirement] context_tokens too")
     slo = _take(top.get("slo", {}), {"ttft_ms": float, "tpot_ms": float, "e2e_ms": float},
                 source, "slo")
 
@@ -491,6 +502,12 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
 
     space = top.get("space", {})
     dims = tuple(_dimension(k, v, source) for k, v in space.items())
+    req = Requirement(**requirement)
+    dims = cut_space_to_requirement(dims, req, source)
+    fixed_len = fixed_flag_values(argv("extra_args"), source).get("max_model_len")
+    if req.context_tokens and fixed_len is not None and fixed_len < req.context_tokens:
+        raise _fail(source, "server.extra_args " + _cli("max_model_len"), f"{fixed_len} is below "
+                    f"[requirement] context_tokens = {req.context_tokens}")
     required = [f.name for f in engines.flags() if f.required]
     for needed in required:
         if needed not in space:
@@ -553,7 +570,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         engine=command, engine_name=engine_name, env=tuple(sorted(env.items())),
         host=overrides.get("host") or server.get("host", "127.0.0.1"),
         launch_timeout_s=float(timeout), memory_budget_gib=budget, dimensions=dims,
-        baselines=tuple(baselines), workload=wl,
+        baselines=tuple(baselines), workload=wl, requirement=req,
         storage=overrides.get("storage") or study.get("storage") or default_storage(name),
         results_dir=overrides.get("results_dir") or study.get("results_dir", "results"),
         sampler=sampler, seed=overrides.get("seed", study.get("seed")), confirm=confirm,
@@ -561,6 +578,58 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         use_memory_model=study.get("memory_model", True),
         tie_tolerance=study.get("tie_tolerance", 0.02),
     )
+
+
+def _length_mix(workload: dict, source: str) -> None:
+    """Check the [workload] length mix in place; a trace's path is resolved and read now."""
+    from tuner.lengths import LENGTH_MIXES, TraceError, check_mix, read_trace, resolve_trace
+
+    kind = workload.get("length_mix", "fixed")
+    if kind not in LENGTH_MIXES:
+        raise _fail(source, "workload.length_mix", f"unknown mix {kind!r}", "choose " + ", ".join(LENGTH_MIXES))
+    for key in ("prompt_tokens_mix", "output_tokens_mix"):
+        values = workload.get(key, [])
+        if any(not isinstance(v, (int, float)) or isinstance(v, bool) for v in values):
+            raise _fail(source, f"workload.{key}", f"expected numbers, got {values!r}")
+        workload[key] = tuple(float(v) for v in values)
+        problem = check_mix(kind if kind in ("uniform", "normal") else "fixed", workload[key])
+        if problem:
+            raise _fail(source, f"workload.{key}", problem)
+    if kind in ("uniform", "normal") and not (workload["prompt_tokens_mix"] or workload["output_tokens_mix"]):
+        raise _fail(source, "workload.length_mix", f"a {kind} mix needs prompt_tokens_mix or output_tokens_mix")
+    if (kind == "trace") != bool(workload.get("length_trace")):
+        raise _fail(source, "workload.length_trace", "a trace mix takes length_trace = FILE, and only it does")
+    if kind == "trace":
+        try:
+            path = resolve_trace(workload["length_trace"], Path(source).parent)
+            read_trace(str(path))
+        except TraceError as e:
+            raise _fail(source, "workload.length_trace", e.problem) from None
+        workload["length_trace"] = str(path)
+
+
+def cut_space_to_requirement(dims: tuple["Dimension", ...], req: Requirement,
+                             source: str) -> tuple["Dimension", ...]:
+    """The space without max_model_len values below the required context: they cannot serve it."""
+    need = req.context_tokens
+    dim = next((d for d in dims if d.name == "max_model_len"), None)
+    if not need or dim is None:
+        return dims
+    where = "space.max_model_len"
+    if _bounds(dim)[1] < need:
+        raise _fail(source, where, f"every value ({_describe(dim)}) is below [requirement] "
+                    f"context_tokens = {need}", f"search max_model_len >= {need}")
+    if dim.choices:
+        new = replace(dim, choices=tuple(c for c in dim.choices if c >= need))
+    elif dim.low < need:
+        low = need if not dim.step else dim.low + math.ceil((need - dim.low) / dim.step) * dim.step
+        if low > dim.high:
+            raise _fail(source, where, f"no step of {_describe(dim)} reaches [requirement] "
+                        f"context_tokens = {need}", f"search max_model_len >= {need}")
+        new = replace(dim, low=int(low) if dim.kind == "int" else low)
+    else:
+        return dims
+    return tuple(new if d is dim else d for d in dims)
 
 
 def _wl_type(annotation):

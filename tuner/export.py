@@ -35,6 +35,9 @@ def choose(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None = N
     front is beyond the measured noise (a spread inside it would let noise pick the command); when
     no objective is, every member is a tie and the highest throughput wins.
     """
+    if "constraint_requirement" in front.columns:
+        # never a config below the user's requirement, whatever frame the caller passed
+        front = front[~(front["constraint_requirement"].astype(float) > 0)]
     if front.empty:
         raise ValueError("empty Pareto set")
     if prefer in _BY:

@@ -6,6 +6,8 @@ import asyncio
 import json
 import os
 import random
+import re
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -14,7 +16,7 @@ import aiohttp
 
 from tuner import progress as run_progress
 from tuner.progress import RequestProgress
-from tuner.prompts import build_prompts  # noqa: F401 - re-exported: callers import it from here
+from tuner.prompts import build_prompts, build_prompts_of_lengths  # noqa: F401 - re-exported: callers import it from here
 
 try:  # a vLLM dependency; typed decoding skips unknown fields and is several times faster than json
     import msgspec
@@ -26,7 +28,7 @@ except ImportError:  # pragma: no cover
     uvloop = None
 
 # the records and the load plan moved out (tuner.records, tuner.plan); importers still find them here
-from tuner.plan import closed_levels, default_levels, load_plan, ttft_level_name  # noqa: F401,E402
+from tuner.plan import closed_levels, default_levels, level_lengths, load_plan, ttft_level_name  # noqa: F401,E402
 from tuner.records import Level, PhaseResult, RequestResult, Workload  # noqa: F401,E402
 
 
@@ -35,6 +37,11 @@ from tuner.records import Level, PhaseResult, RequestResult, Workload  # noqa: F
 from tuner import engines  # noqa: E402
 from tuner.engines.vllm import SERVER_COUNTERS, SERVER_GAUGES  # noqa: E402,F401
 _JSON = {"Content-Type": "application/json"}
+# vLLM's answers (HTTP 400) to a request longer than the server's context: "This model's maximum
+# context length is 4096 tokens. However, you requested ...", "The decoder prompt (length 5000) is
+# longer than the maximum model length of 4096", "'max_tokens' ... is too large"
+TOO_LONG = re.compile(r"maximum context length|maximum model length|max_model_len|is too large|"
+                      r"too long|exceeds the model", re.I)
 
 
 # ---------------------------------------------------------------- SSE parsing (the hot path)
@@ -167,8 +174,9 @@ async def stream_request(session: aiohttp.ClientSession, url: str, payload: byte
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             status = resp.status
             if status != 200:
-                body = (await resp.read())[:200].decode("utf-8", "replace")
-                kind, err = "http_error", f"HTTP {status}: {body}"
+                body = (await resp.read())[:400].decode("utf-8", "replace")
+                kind = "rejected_for_length" if status == 400 and TOO_LONG.search(body) else "http_error"
+                err = f"HTTP {status}: {body}"[:300]
             else:
                 content = resp.content
                 feed = sse.feed
@@ -359,11 +367,13 @@ def new_session(concurrency: int, trust_env: bool = False, engine: str | None = 
 
 
 async def run_load_test_async(base_url: str, model: str, workload: Workload,
-                              progress: bool = True, engine: str | None = None) -> tuple[PhaseResult, ...]:
+                              progress: bool = True, engine: str | None = None,
+                              alive: Callable[[], bool] | None = None) -> tuple[PhaseResult, ...]:
     """Warm-up, then every level of the workload's plan; one session per level, prompts built first.
 
     The plan depends on the workload alone, never on the config under test, so every config meets
     the same offered load. Prompts are distinct across all levels (prefix caching cannot help).
+    `alive()` false before a level (the server exited) skips that level and the rest.
     """
     base_url = base_url.rstrip("/")
     chat = workload.endpoint == "chat"
@@ -372,15 +382,23 @@ async def run_load_test_async(base_url: str, model: str, workload: Workload,
     if w.warmup_requests > 0:
         top = max((lv.concurrency for lv in plan if lv.request_rate is None), default=1)
         plan = (Level("warmup", max(1, min(top, w.warmup_requests)), w.warmup_requests),) + plan
+    lengths = level_lengths(w, plan)
     run_progress.phase("building prompts")
     async with new_session(16, engine=engine) as session:
-        prompts = await build_prompts(session, base_url, model, sum(lv.requests for lv in plan),
-                                      w.prompt_tokens, w.endpoint, seed=w.seed, engine=engine)
+        if w.length_mix == "fixed":
+            prompts = await build_prompts(session, base_url, model, sum(lv.requests for lv in plan),
+                                          w.prompt_tokens, w.endpoint, seed=w.seed, engine=engine)
+        else:
+            prompts = await build_prompts_of_lengths(
+                session, base_url, model, [p for level in lengths for p, _ in level], w.endpoint,
+                seed=w.seed, engine=engine)
     phases = []
     used = 0
-    for lv in plan:
+    for lv, sizes in zip(plan, lengths):
         mine, used = prompts[used:used + lv.requests], used + lv.requests
-        payloads = [request_payload(model, p, w.output_tokens, w.endpoint, engine) for p in mine]
+        payloads = [request_payload(model, p, out, w.endpoint, engine) for p, (_, out) in zip(mine, sizes)]
+        if alive is not None and not alive():
+            break   # the server died: the remaining levels would only count connection errors
         async with new_session(lv.concurrency, engine=engine) as session:
             phases.append(await run_phase(session, base_url, lv.name, payloads,
                                           concurrency=lv.concurrency, chat=chat,
@@ -391,10 +409,11 @@ async def run_load_test_async(base_url: str, model: str, workload: Workload,
     return tuple(phases)
 
 
-def run_load_test(base_url: str, model: str, workload: Workload,
-                  progress: bool = True, engine: str | None = None) -> tuple[PhaseResult, ...]:
+def run_load_test(base_url: str, model: str, workload: Workload, progress: bool = True,
+                  engine: str | None = None,
+                  alive: Callable[[], bool] | None = None) -> tuple[PhaseResult, ...]:
     """Warm-up and every level of the workload against a ready server (synchronous wrapper)."""
-    return run_async(run_load_test_async(base_url, model, workload, progress, engine))
+    return run_async(run_load_test_async(base_url, model, workload, progress, engine, alive))
 
 
 def run_async(coro):

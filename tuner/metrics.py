@@ -228,6 +228,7 @@ def summarize(phases, workload) -> LoadMetrics:
     failed = [r for r in measured if not r.ok]
     out["requests_sent"] = len(measured)
     out["requests_failed"] = len(failed)
+    out["rejected_for_length"] = sum(1 for r in failed if r.error_kind == "rejected_for_length")
     out["error_rate"] = len(failed) / len(measured) if measured else 0.0
     kinds: dict[str, int] = {}
     messages: dict[str, int] = {}

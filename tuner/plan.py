@@ -48,3 +48,39 @@ def ttft_level_name(w: Workload) -> str:
             if lv.concurrency == w.ttft_level:
                 return lv.name
     return plan[-1].name if plan else ""
+
+
+FIXED_LENGTH_LEVELS = ("warmup", "single_stream")
+
+
+def level_lengths(w: Workload, plan: tuple[Level, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The (prompt_tokens, output_tokens) of every request of every level of `plan`, in order.
+
+    Warm-up and single stream send the fixed lengths (single-stream speed is defined at them);
+    the load levels draw from the workload's length mix with its seed, in plan order, so the
+    sequence depends on the workload alone and every config meets the same one.
+    """
+    import random
+
+    from tuner.lengths import draw_lengths
+
+    rng = random.Random(f"lengths:{w.seed}")
+    fixed = (w.prompt_tokens, w.output_tokens)
+    return tuple(tuple([fixed] * lv.requests) if lv.name in FIXED_LENGTH_LEVELS
+                 else tuple(draw_lengths(w, lv.requests, rng)) for lv in plan)
+
+
+def longest_request(w: Workload) -> int:
+    """The most tokens (prompt + output) one request of the plan holds."""
+    plan = load_plan(w)
+    return max([w.prompt_tokens + w.output_tokens]
+               + [p + o for level in level_lengths(w, plan) for p, o in level])
+
+
+def share_too_long(w: Workload, max_model_len: int) -> float:
+    """The largest share of a level's requests that a server of this context refuses for length."""
+    worst = 0.0
+    for level in level_lengths(w, load_plan(w)):
+        if level:
+            worst = max(worst, sum(1 for p, o in level if p + o > max_model_len) / len(level))
+    return worst

@@ -170,3 +170,19 @@ async def build_prompts(session: aiohttp.ClientSession, base_url: str, model: st
         return await _Builder(session, base_url, model, prompt_tokens, endpoint == "chat", rng, api).build(count)
     except _ServerFailing:
         return words()
+
+
+async def build_prompts_of_lengths(session: aiohttp.ClientSession, base_url: str, model: str,
+                                   lengths, endpoint: str = "completions", seed: int = 0,
+                                   engine: str | None = None) -> list[str]:
+    """One distinct prompt per entry of `lengths` (token counts), each exactly that long: the
+    prompts of each distinct length are built together (see build_prompts), with a seed of the
+    workload's and the length's, so the same lengths give the same prompts for every config."""
+    wanted: dict[int, int] = {}
+    for n in lengths:
+        wanted[n] = wanted.get(n, 0) + 1
+    built: dict[int, list[str]] = {}
+    for n, count in sorted(wanted.items()):
+        built[n] = await build_prompts(session, base_url, model, count, n, endpoint,
+                                       seed=seed * 1_000_003 + n, engine=engine)
+    return [built[n].pop() for n in lengths]

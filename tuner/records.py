@@ -101,6 +101,28 @@ class Workload:
     # before and after. Off by default: vLLM renders /metrics in the API server process that streams
     # every response, and on an H200 (8B shape, c=256) a sample every 2 s cost throughput and TPOT.
     metrics_poll_s: float | None = None
+    # The lengths of the load levels' requests (warm-up and single stream keep prompt_tokens and
+    # output_tokens: single-stream speed is defined at fixed lengths). "fixed" | "uniform" (the mix
+    # holds low, high) | "normal" (mean, sd[, low, high]: clipped) | "trace" (drawn from the JSONL
+    # file length_trace of {"prompt_tokens", "output_tokens"} lines). Drawn with `seed`, in plan
+    # order, so every config meets the same sequence of lengths.
+    length_mix: str = "fixed"
+    prompt_tokens_mix: tuple[float, ...] = ()
+    output_tokens_mix: tuple[float, ...] = ()
+    length_trace: str = ""                 # resolved path of the trace (length_mix = "trace")
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """What the user must serve, from the study's [requirement] table: a config below it is infeasible.
+
+    context_tokens: the context (prompt + output) one request must be able to hold, so
+    max_model_len >= context_tokens. sequences_at_context: how many such requests the KV cache must
+    hold at once (the launched server's KV cache tokens // context_tokens). None: no requirement.
+    """
+
+    context_tokens: int | None = None
+    sequences_at_context: int | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +145,7 @@ class RequestResult:
 
     ok: bool
     status: int | None = None         # HTTP status, None if no response
-    error_kind: str = ""              # "" | http_error | connection | disconnected | timeout | bad_stream
+    error_kind: str = ""              # "" | http_error | rejected_for_length | connection | disconnected | timeout | bad_stream
     #                                   | server_error | truncated | no_usage | no_content | other
     error: str = ""                   # exception class and message, short
     prompt_tokens: int = 0            # from usage
@@ -251,6 +273,7 @@ class LoadMetrics:
     server_itl_ms_mean: float | None = None
     error_kinds: str = ""                 # e.g. "timeout:3,http_error:1" over all phases
     top_error: str = ""                   # the most common error of failed requests, one line
+    rejected_for_length: int = 0          # requests the server refused as longer than its context
     levels: tuple[LevelMetrics, ...] = ()
 
 
@@ -272,11 +295,14 @@ class TrialOutcome:
     peak_gpu_server_bytes: int | None = None     # of it, held by the server's process group
     peak_gpu_stranger_bytes: int | None = None   # of it, held by other processes
     server_exit_code: int | None = None          # set when the server died during the load test
+    died_under_load: LaunchFailure | None = None  # then: its log, classified like a launch failure
 
     @property
     def failure_kind(self) -> str:
         if self.failure is not None:
             return self.failure.kind
+        if self.died_under_load is not None:
+            return self.died_under_load.kind + "_under_load"
         if self.metrics is not None and self.metrics.load_test_failed:
             return "load_test_failed"
         return ""
@@ -293,3 +319,10 @@ class Platform:
     bandwidth_gbps: float | None
     engine: tuple[str, ...]
     vllm_version: str
+
+
+def is_feasible(t) -> bool:
+    """An Optuna trial that measured a config meeting every constraint: COMPLETE, no failure recorded,
+    every constraint <= 0 (Optuna's own feasibility rule)."""
+    return (t.state.name == "COMPLETE" and not t.user_attrs.get("failure")
+            and all(v <= 0 for v in t.constraints.values()))

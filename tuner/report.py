@@ -9,6 +9,7 @@ import pandas as pd
 
 from tuner import engines
 from tuner.config import StudyConfig
+from tuner.records import is_feasible
 
 OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
 MAXIMIZE = {"single_stream_tok_s": True, "throughput_tok_s": True, "ttft_ms": False}
@@ -64,7 +65,7 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
             continue  # repeats of a measured config, and configs queued but never started
         row = {"trial": t.number, "state": t.state.name}
         row.update(t.params)
-        feasible = t.state == TrialState.COMPLETE and all(v <= 0 for v in t.constraints.values())
+        feasible = is_feasible(t)
         row["feasible"] = feasible
         row.update({f"constraint_{k}": v for k, v in t.constraints.items()})
         row.update({k: v for k, v in a.items() if k not in ("failure_log_tail", "levels")})

@@ -17,15 +17,16 @@ import optuna
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner import engines, presets, progress, space
+from tuner import engines, plan, presets, progress, requirement, space
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
+from tuner.records import is_feasible
 from tuner.records import (Capacity, LaunchFailure, LaunchSpec, LoadMetrics, Platform,  # noqa: F401
                            TrialOutcome)
 
 OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
 DIRECTIONS = ("maximize", "maximize", "minimize")
-CONSTRAINTS = ("memory", "launch", "load_test", "slo")
+CONSTRAINTS = ("memory", "launch", "load_test", "slo", "requirement")
 # Trials that were not launched (the memory model ruled them out, or the config was measured
 # already) do not count towards --trials, so a run of N trials means N launches at most.
 SKIPPED_KINDS = ("predicted_infeasible", "duplicate", "gpu_busy")
@@ -209,8 +210,7 @@ def penalty_values(cfg: StudyConfig, study: optuna.Study | None = None) -> tuple
     far that 40 ms and 360 ms of TTFT look alike. Before any feasible trial: 0, 0 and the timeout.
     """
     measured = [t.values for t in (study.get_trials(deepcopy=False) if study is not None else ())
-                if t.state == TrialState.COMPLETE and t.values is not None
-                and not t.user_attrs.get("failure") and all(v <= 0 for v in t.constraints.values())]
+                if is_feasible(t) and t.values is not None]
     if not measured:
         return 0.0, 0.0, cfg.workload.request_timeout_s * 1000.0
     return (min(v[0] for v in measured), min(v[1] for v in measured), max(v[2] for v in measured))
@@ -282,6 +282,18 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
             constraints["launch"] = 1.0
     if outcome.capacity is not None:
         attrs.update({k: v for k, v in _flat("", outcome.capacity).items()})
+        # the context counted: the user's required one, else the config's own max_model_len
+        context = cfg.requirement.context_tokens or outcome.params.max_model_len
+        held = requirement.sequences_at_context(outcome.capacity.kv_cache_tokens, context)
+        if held is not None:
+            attrs.update(context_tokens=context, sequences_at_context=held)
+        constraints["requirement"] = requirement.capacity_shortfall(outcome.capacity.kv_cache_tokens,
+                                                                    cfg.requirement)
+        if constraints["requirement"] > 0:
+            attrs["failure"] = "requirement_not_met"
+            attrs["failure_message"] = (
+                f"the KV cache holds {outcome.capacity.kv_cache_tokens} tokens: {held} sequences of "
+                f"{context} tokens, [requirement] asks {cfg.requirement.sequences_at_context}")
     m = outcome.metrics
     if m is not None:
         attrs.update(_flat("", m))
@@ -299,6 +311,27 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
             constraints["load_test"] = 1.0
             attrs["failure"] = "load_test_failed"
             attrs["failure_message"] = "no measurement of " + ", ".join(missing)
+        if constraints["requirement"] > 0:
+            values = penalty if penalty is not None else penalty_values(cfg)
+            attrs["failure"] = "requirement_not_met"
+    died = outcome.died_under_load
+    if died is not None:
+        # the server exited during the load test: classified from its log like a launch failure,
+        # its figures so far kept in the attrs, and a constraint that steers the search away
+        attrs.update(failure=outcome.failure_kind, failure_message=died.message[:500],
+                     failure_log_tail=died.log_tail[-2000:], died_under_load=died.kind)
+        if m is not None:
+            reached = [lv.name for lv in m.levels if lv.requests > lv.failed]
+            broke = next((lv.name for lv in m.levels if lv.failure), "")
+            attrs.update(last_level_served=reached[-1] if reached else "", died_at_level=broke)
+        for key in ("needed_gib", "available_gib"):
+            if getattr(died, key) is not None:
+                attrs[key] = getattr(died, key)
+        if died.is_memory:
+            constraints["memory"] = max(constraints["memory"], grade_failure(outcome.params, died))
+        else:
+            constraints["launch"] = 1.0
+        values = penalty if penalty is not None else penalty_values(cfg)
     for key, value in attrs.items():
         trial.set_user_attr(key, value)
     for key, value in constraints.items():
@@ -502,15 +535,31 @@ class Tuner:
         launch_params = space.scaled(params, self.scale)
         w = self.cfg.workload
         longest = engines.get().request_context(params.values())   # vLLM: max_model_len
-        if longest is not None and longest < w.prompt_tokens + w.output_tokens:
-            # every request of the workload would be refused for length: no launch, a constraint
+        context_name = engines.get().request_context_name
+        below = requirement.context_shortfall(longest, self.cfg.requirement)
+        if below > 0:
+            # cannot serve the context the user needs: no launch, a constraint (a baseline or a
+            # stored trial from before the requirement; the space itself starts at the requirement)
             trial.set_user_attr("failure", "predicted_infeasible")
-            trial.set_user_attr("failure_message", f"{engines.get().request_context_name} {longest} < the "
-                                f"workload's {w.prompt_tokens} + {w.output_tokens} tokens per request")
+            trial.set_user_attr("failure_message", f"{context_name} {longest} < "
+                                f"[requirement] context_tokens {self.cfg.requirement.context_tokens}")
             for key in CONSTRAINTS:
                 trial.set_constraint(key, 0.0)
-            trial.set_constraint("load_test", (w.prompt_tokens + w.output_tokens)
-                                 / max(longest, 1) - 1)
+            trial.set_constraint("requirement", below)
+            study.tell(trial, penalty_values(self.cfg, study))
+            return "predicted_infeasible"
+        too_long = 0.0 if longest is None else plan.share_too_long(w, longest)
+        if too_long > (w.max_failed_share if w.length_mix != "fixed" else 0.0):
+            # more of a level's requests would be refused for length than a load test tolerates
+            trial.set_user_attr("failure", "predicted_infeasible")
+            if w.length_mix == "fixed":
+                why = f"the workload's {w.prompt_tokens} + {w.output_tokens} tokens per request"
+            else:
+                why = f"{too_long:.0%} of a level's requests of the {w.length_mix} length mix"
+            trial.set_user_attr("failure_message", f"{context_name} {longest} < {why}")
+            for key in CONSTRAINTS:
+                trial.set_constraint(key, 0.0)
+            trial.set_constraint("load_test", max(0.01, plan.longest_request(w) / max(longest, 1) - 1))
             study.tell(trial, penalty_values(self.cfg, study))
             return "predicted_infeasible"
         failed = self.known_infeasible(study, params)
@@ -684,8 +733,7 @@ class Tuner:
         if not self.cfg.replicates:
             return
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if t.user_attrs.get("baseline") and t.user_attrs.get("failure", "") == "" and \
-                    all(v <= 0 for v in t.constraints.values()):
+            if t.user_attrs.get("baseline") and is_feasible(t):
                 self.relaunch(study, t.number, "replicate", self.cfg.replicates)
 
     def relaunch(self, study: optuna.Study, number: int, kind: str, count: int) -> list[dict]:
@@ -768,9 +816,12 @@ def stop_if_every_request_failed(t: FrozenTrial, outcome: TrialOutcome) -> None:
     """A launch whose load test failed on (nearly) every request with one error says the workload
     or the client is wrong, not the config: stop with that error rather than relaunch for nothing."""
     m = outcome.metrics
-    if m is None or not m.requests_sent or m.requests_failed < ALL_FAILED_SHARE * m.requests_sent:
+    # a request refused as longer than the config's context is a fact of that config, not a
+    # fault of the workload or the client: it does not count here
+    failed = m.requests_failed - m.rejected_for_length if m is not None else 0
+    if m is None or not m.requests_sent or failed < ALL_FAILED_SHARE * m.requests_sent:
         return
-    if outcome.server_exit_code is not None:
+    if outcome.server_exit_code is not None or outcome.died_under_load is not None:
         return   # the server died under load: that is this config's (or an outside kill's) doing
     hint = "check [workload] (prompt/output tokens, endpoint) against the model and its tokenizer"
     if "401" in m.top_error or "Unauthorized" in m.top_error:

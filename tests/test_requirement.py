@@ -1,0 +1,99 @@
+"""The user's requirement and the workload's length mixes: pure parts, no server."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuner import plan, requirement
+from tuner.config import parse_study
+from tuner.errors import ConfigError
+from tuner.records import Requirement, Workload
+
+BASE = {"model": {"path": "preset:tiny"},
+        "space": {"gpu_memory_utilization": {"low": 0.5, "high": 0.9},
+                  "max_model_len": {"choices": [2048, 4096, 16384, 32768]},
+                  "max_num_seqs": {"choices": [4, 8]}}}
+
+
+def study(**tables):
+    return parse_study({**BASE, **tables}, "t.toml", {"storage": "sqlite:///:memory:"})
+
+
+def test_max_model_len_below_the_required_context_is_not_searched():
+    cfg = study(requirement={"context_tokens": 16384, "sequences_at_context": 4})
+    assert cfg.dimension("max_model_len").choices == (16384, 32768)
+    assert cfg.requirement == Requirement(16384, 4)
+
+
+def test_a_space_wholly_below_the_requirement_is_an_error():
+    with pytest.raises(ConfigError, match="context_tokens"):
+        study(requirement={"context_tokens": 65536})
+
+
+def test_sequences_at_context_and_the_capacity_shortfall():
+    req = Requirement(16384, 4)
+    assert requirement.sequences_at_context(70000, 16384) == 4
+    assert requirement.capacity_shortfall(70000, req) == 0.0
+    assert requirement.capacity_shortfall(32768, req) == pytest.approx(0.5)
+    assert requirement.context_shortfall(8192, req) == pytest.approx(1.0)
+    assert requirement.context_shortfall(16384, req) == 0.0
+
+
+def test_length_mix_is_seeded_the_same_for_every_call_and_single_stream_stays_fixed():
+    w = Workload(prompt_tokens=100, output_tokens=50, length_mix="uniform",
+                 prompt_tokens_mix=(10.0, 3000.0), output_tokens_mix=(5.0, 500.0), max_concurrency=16)
+    p = plan.load_plan(w)
+    first, again = plan.level_lengths(w, p), plan.level_lengths(w, p)
+    assert first == again
+    single = first[[lv.name for lv in p].index("single_stream")]
+    assert set(single) == {(100, 50)}
+    mixed = [pair for lv, level in zip(p, first) if lv.name != "single_stream" for pair in level]
+    assert all(10 <= a <= 3000 and 5 <= b <= 500 for a, b in mixed)
+    assert len(set(mixed)) > 10
+    assert 0 < plan.share_too_long(w, 2048) < 1
+
+
+def test_a_trace_study_resolves_the_shipped_trace_and_draws_only_its_lengths():
+    from tuner.lengths import read_trace
+
+    cfg = study(workload={"length_mix": "trace", "length_trace": "example", "max_concurrency": 4})
+    pairs = set(read_trace(cfg.workload.length_trace))
+    levels = plan.level_lengths(cfg.workload, plan.load_plan(cfg.workload))
+    assert all(pair in pairs for level in levels[1:] for pair in level)
+
+
+def test_a_bad_mix_names_its_key():
+    with pytest.raises(ConfigError, match="prompt_tokens_mix"):
+        study(workload={"length_mix": "normal", "prompt_tokens_mix": [100]})
+
+
+class _Trial:
+    def __init__(self):
+        self.attrs, self.constraints = {}, {}
+
+    def set_user_attr(self, k, v):
+        self.attrs[k] = v
+
+    def set_constraint(self, k, v):
+        self.constraints[k] = v
+
+
+def test_a_kv_cache_short_of_the_required_sequences_violates_the_requirement():
+    from tuner.records import Capacity, LaunchFailure, LoadMetrics, TrialOutcome
+    from tuner.space import ServerParams
+    from tuner.study import record_outcome
+
+    cfg = study(requirement={"context_tokens": 16384, "sequences_at_context": 4})
+    m = LoadMetrics(single_stream_tok_s=50.0, throughput_tok_s=900.0, ttft_ms=80.0)
+    t = _Trial()
+    record_outcome(t, cfg, TrialOutcome(ServerParams(0.9, 16384, 8), capacity=Capacity(kv_cache_tokens=40000),
+                                        metrics=m), {}, (0.0, 0.0, 1e5))
+    assert t.attrs["sequences_at_context"] == 2 and t.attrs["failure"] == "requirement_not_met"
+    assert t.constraints["requirement"] > 0
+    t = _Trial()
+    died = LaunchFailure(kind="oom", message="torch.OutOfMemoryError: CUDA out of memory")
+    values = record_outcome(t, cfg, TrialOutcome(ServerParams(0.9, 16384, 8), capacity=Capacity(kv_cache_tokens=90000),
+                                                 metrics=m, server_exit_code=1, died_under_load=died),
+                            {}, (0.0, 0.0, 1e5))
+    assert t.attrs["failure"] == "oom_under_load" and t.constraints["memory"] > 0
+    assert values == (0.0, 0.0, 1e5) and t.constraints["requirement"] == 0.0
