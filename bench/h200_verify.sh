@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # On the GPU machine (vLLM bundle installed): relaunch a study's exported command with plain
 # `vllm serve` and measure it with `vllm bench serve` at the study's load levels (issue 12, 7c).
-#   bash bench/h200_verify.sh STUDY        e.g. bash bench/h200_verify.sh h200-levels
+#   bash bench/h200_verify.sh STUDY [TAG]  e.g. bash bench/h200_verify.sh h200-levels; writes $OUT/verify[-TAG].txt
 set -u
-study=$1
+study=$1 out="$OUT/verify${2:+-$2}.txt"
 . /tmp/vllm-env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 cmd=$(python3 -m tuner export --study "studies/$study.toml" --keep-dummy 2>/dev/null)
-echo "exported: $cmd" | tee "$OUT/verify.txt"
+echo "exported: $cmd" | tee "$out"
 port=8123
 eval "$cmd --port $port" > /tmp/verify-server.log 2>&1 &
 pid=$!
+t0=$(date +%s)
 trap 'kill -INT $pid 2>/dev/null; sleep 5; kill -9 $pid 2>/dev/null' EXIT
 until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
     kill -0 $pid 2>/dev/null || { tail -30 /tmp/verify-server.log; exit 1; }
     sleep 2
 done
+echo "ready after $(( $(date +%s) - t0 )) s" | tee -a "$out"
 model=$(python3 -c "import shlex,sys; a=shlex.split(sys.argv[1]); print(a[a.index('serve')+1])" "$cmd")
 python3 bench/verify_export.py --study "studies/$study.toml" --base-url "http://127.0.0.1:$port" \
-    --model "$model" 2>&1 | tee -a "$OUT/verify.txt"
+    --model "$model" 2>&1 | tee -a "$out"
+grep -E "torch.compile took|Compiling a graph|Directly load|init engine" /tmp/verify-server.log | cut -c1-200 >> "$out"
