@@ -197,6 +197,22 @@ def test_launch_phases_of_unknown_lines_are_empty():
     assert engines.get("llamacpp").launch_phases(log("gpu_0.24_8b_ready.log")) == {}
 
 
+def test_launch_phases_become_trial_attrs_and_the_rest_is_other():
+    from tuner.records import LaunchFailure, TrialOutcome
+    from tuner.study import launch_phase_attrs, run_dict
+
+    phases = (("weights", 1.497), ("compile", 17.67), ("profile", 18.72), ("graphs", 4.0))
+    outcome = TrialOutcome(ServerParams(0.5, 4096, 256), launch_s=78.39, launch_phases=phases)
+    assert launch_phase_attrs(outcome) == {"launch_weights_s": 1.5, "launch_compile_s": 17.67,
+                                           "launch_profile_s": 18.72, "launch_graphs_s": 4.0,
+                                           "launch_other_s": 36.5}
+    failed = TrialOutcome(ServerParams(0.5, 131072, 256), launch_s=56.84,
+                          launch_phases=(("weights", 1.499), ("compile", 17.04)),
+                          failure=LaunchFailure(kind="kv_cache_too_small", message="x"))
+    assert run_dict(failed, "replicate")["launch_other_s"] == 38.3
+    assert launch_phase_attrs(TrialOutcome(ServerParams(0.5, 4096, 256), launch_s=9.0)) == {}
+
+
 # --------------------------------------------------------------------------- argv and engine
 
 def test_argv_serve_takes_model_positionally():
