@@ -39,7 +39,7 @@ def server_faults(work: Path, model: Path) -> list[dict]:
              for log, kind in [("cpu_kv_cache_too_small.log", "kv_cache_too_small"),
                                ("cpu_gmu_too_small_for_weights.log", "no_cache_blocks"),
                                ("gpu_insufficient_free_memory.log", "insufficient_free_memory"),
-                               ("gpu_oom.log", "oom"), ("gpu_cpu_offload.log", "cpu_offload"),
+                               ("gpu_oom.log", "oom"),
                                ("cpu_port_in_use.log", "port_in_use"),
                                ("crashed_unknown.log", "crashed")]]
     cases += [(f"misbehaves: {mode}", fk.fake_engine_study(model, mode))

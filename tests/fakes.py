@@ -138,6 +138,7 @@ class FakeGpu:
     capability: tuple[int, int] | None = (9, 0)
     clock_mhz: int | None = 2619
     bus_bits: int | None = 5120
+    pcie: tuple[int, int] | None = (5, 16)            # max link generation, lanes
     processes: list = field(default_factory=list)     # [(pid, used_bytes)]
     migs: list["FakeGpu"] = field(default_factory=list)   # MIG instances (MIG mode on when any)
 
@@ -161,6 +162,8 @@ class FakeNvml:
                                                                  free=h.total - h.used),
             "nvmlDeviceGetMaxClockInfo": lambda h, kind: self._or_fail(h.clock_mhz),
             "nvmlDeviceGetMemoryBusWidth": lambda h: self._or_fail(h.bus_bits),
+            "nvmlDeviceGetMaxPcieLinkGeneration": lambda h: self._or_fail(h.pcie and h.pcie[0]),
+            "nvmlDeviceGetMaxPcieLinkWidth": lambda h: self._or_fail(h.pcie and h.pcie[1]),
             "nvmlDeviceGetComputeRunningProcesses": lambda h: [
                 SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in h.processes],
             "nvmlDeviceGetGraphicsRunningProcesses": lambda h: [],

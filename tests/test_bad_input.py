@@ -107,6 +107,8 @@ def test_unknown_keys(tmp_path, model, table, key, value, words):
     ("max_model_len", {"low": 4096, "high": 1024}, ["space.max_model_len", "empty range"]),
     ("max_num_seqs", {"choices": []}, ["space.max_num_seqs.choices", "empty"]),
     ("max_num_seqs", {"low": 1, "high": 8, "step": 0}, ["space.max_num_seqs.step", "> 0"]),
+    ("cpu_offload_gb", {"low": -4.0, "high": 8.0}, ["space.cpu_offload_gb.low", "[0, inf)", "-4"]),
+    ("cpu_offload_gb", {"choices": [0, "lots"]}, ["space.cpu_offload_gb.choices", "'lots'"]),
 ])
 def test_out_of_range_space(tmp_path, model, dim, spec, words):
     doc = good_doc(tmp_path, model)
@@ -121,6 +123,8 @@ def test_out_of_range_space(tmp_path, model, dim, spec, words):
     ("server", "launch_timeout_s", 0.0, ["server.launch_timeout_s", "> 0"]),
     ("server", "extra_args", ["--api-key", "sk-123"], ["server.extra_args", "VLLM_API_KEY"]),
     ("study", "name", "my study", ["study.name", "letters"]),
+    ("slo", "min_roofline_share", 1.5, ["slo.min_roofline_share", "[0, 1)", "1.5"]),
+    ("slo", "min_roofline_share", -0.1, ["slo.min_roofline_share", "[0, 1)"]),
 ])
 def test_out_of_range_values(tmp_path, model, table, key, value, words):
     doc = with_(good_doc(tmp_path, model), table, **{key: value})
@@ -266,6 +270,9 @@ def test_a_good_measure_launches(tmp_path, model):
     ({"max_model_len": "4k"}, ["--max-model-len", "4k", "whole number"]),
     ({"max_num_seqs": "0"}, ["--max-num-seqs", "at least 1"]),
     ({"kv_cache_dtype": "fp9"}, ["--kv-cache-dtype", "'fp9'", "fp8_e5m2"]),
+    ({"cpu_offload_gb": "-2"}, ["--cpu-offload-gb", "-2", "[0, inf)"]),
+    ({"cpu_offload_gb": "inf"}, ["--cpu-offload-gb", "inf", "[0, inf)"]),
+    ({"cpu_offload_gb": "some"}, ["--cpu-offload-gb", "invalid float", "'some'"]),
     ({"max_num_batched_tokens": "1"}, ["--max-num-batched-tokens", "max_num_batched_tokens 1",
                                        "max_num_seqs 2"]),
 ])

@@ -107,3 +107,22 @@ def test_known_infeasible_reads_memory_roles_from_the_table(new_flag):
     assert probe(gpu_memory_utilization=0.4) is None           # more memory: may fit
     assert probe(max_model_len=1024) is None                   # shorter context: may fit
     assert probe(max_loras=3) is None                          # an "equal" flag differs
+
+
+def test_cpu_offload_gb_is_an_optional_searched_flag():
+    cfg = parse_study(study({**SPACE, "cpu_offload_gb": {"low": 0, "high": 8, "step": 2}}), "t.toml",
+                      {"storage": "sqlite:///:memory:"})
+    dim = cfg.dimension("cpu_offload_gb")
+    assert (dim.kind, dim.low, dim.high, dim.step) == ("float", 0.0, 8.0, 2)
+    p = space.params_from({"gpu_memory_utilization": 0.3, "max_model_len": 1024, "max_num_seqs": 4,
+                           "cpu_offload_gb": 4.0})
+    assert p.cpu_offload_gb == 4.0 and p.extra == ()       # a named field: the memory model reads it
+    assert p.vllm_flags()[-2:] == ["--cpu-offload-gb", "4"]
+    flag = engines.flag("cpu_offload_gb")
+    assert (flag.memory, flag.default, flag.hand_tuned, flag.required) == ("supply", 0.0, 0.0, False)
+    assert flag.problem(-1.0) and flag.problem(float("inf")) and flag.problem(0.0) is None
+    # unsearched it is absent from the command line (vLLM's 0), and a fixed one is read back
+    assert "--cpu-offload-gb" not in space.params_from({"max_model_len": 1024}).vllm_flags()
+    from tuner.config import fixed_flag_values
+
+    assert fixed_flag_values(["--cpu-offload-gb", "12"]) == {"cpu_offload_gb": 12.0}

@@ -55,7 +55,6 @@ START_FAILURES = [
     ("gpu_insufficient_free_memory.log", "insufficient_free_memory", "memory"),
     ("cpu_insufficient_free_memory.log", "insufficient_free_memory", "memory"),
     ("gpu_oom.log", "oom", "memory"),
-    ("gpu_cpu_offload.log", "cpu_offload", "memory"),
     ("cpu_port_in_use.log", "port_in_use", "launch"),
     ("crashed_unknown.log", "crashed", "launch"),
 ]

@@ -85,8 +85,16 @@ def test_gpus_from_nvml(monkeypatch):
     (info,) = gpu.gpus()
     assert info == GpuInfo(index=0, name="NVIDIA H100 80GB HBM3", memory_total_bytes=80 * GIB,
                            memory_free_bytes=79 * GIB, memory_bandwidth_gbps=3352.3,
-                           uuid="GPU-aaaa", compute_capability=(9, 0), cuda_index=0)
+                           uuid="GPU-aaaa", compute_capability=(9, 0), cuda_index=0,
+                           pcie_bandwidth_gbps=63.0)
     assert info.has_bfloat16 and info.label == "GPU 0"
+
+
+def test_pcie_bandwidth_is_lanes_times_the_generation_rate(monkeypatch):
+    assert gpu.pcie_bandwidth_gbps(4, 16) == 31.5 and gpu.pcie_bandwidth_gbps(3, 8) == 7.9
+    assert gpu.pcie_bandwidth_gbps(None, 16) is None and gpu.pcie_bandwidth_gbps(9, 16) is None
+    FakeNvml(monkeypatch, FakeGpu(pcie=None))   # NVML cannot tell: unknown, not an error
+    assert gpu.gpus()[0].pcie_bandwidth_gbps is None
 
 
 def test_nvml_names_as_bytes(monkeypatch):

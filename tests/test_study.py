@@ -12,7 +12,7 @@ from optuna.trial import TrialState
 
 from fakes import FAKE_PLATFORM, FakeDevice, fake_config
 from tuner import export, report
-from tuner.study import Tuner, load_existing
+from tuner.study import Platform, Tuner, load_existing
 
 
 def run(cfg, device, n):
@@ -313,3 +313,149 @@ def test_a_server_left_by_a_killed_replicate_launch_is_stopped_by_the_next_run(t
         if server.poll() is None:
             server.kill()
     assert load_existing(cfg).user_attrs["relaunch_server"] == {}
+
+
+# ---------------------------------------------------------------- cpu_offload: slow against the roofline
+
+H200 = Platform("cuda", "NVIDIA H200", 141 * 2**30, 4800.0, ("true",), "0.0-fake", pcie_gbps=63.0)
+
+
+class _Trial:
+    """What record_outcome writes to: an Optuna trial's user attrs and constraints."""
+
+    def __init__(self):
+        self.attrs, self.constraints = {}, {}
+
+    def set_user_attr(self, k, v):
+        self.attrs[k] = v
+
+    def set_constraint(self, k, v):
+        self.constraints[k] = v
+
+
+@pytest.fixture(scope="module")
+def llama8b(tmp_path_factory):
+    from tuner.feasibility import model_shape
+    from tuner.presets import PRESETS, write_model_folder
+
+    return model_shape(str(write_model_folder(PRESETS["llama-3.1-8b"], tmp_path_factory.mktemp("8b"))))
+
+
+def _measured(single_stream: float, **params) -> "TrialOutcome":
+    from tuner.records import Capacity, LoadMetrics, TrialOutcome
+    from tuner.space import ServerParams
+
+    capacity = params.pop("capacity", Capacity(kv_cache_tokens=100_000))
+    return TrialOutcome(ServerParams(0.9, 4096, 16, **params), capacity=capacity,
+                        metrics=LoadMetrics(single_stream_tok_s=single_stream, throughput_tok_s=900.0,
+                                            ttft_ms=80.0))
+
+
+def _record(cfg, platform, shape, outcome):
+    from tuner.study import offload_figures, record_outcome
+
+    t = _Trial()
+    values = record_outcome(t, cfg, outcome, offload_figures(cfg, platform, shape, outcome),
+                            (0.0, 0.0, 1e5))
+    return t, values
+
+
+def test_a_single_stream_far_below_its_roofline_is_cpu_offload_a_soft_constraint(tmp_path, llama8b):
+    from tuner.feasibility import kv_dtype_bytes, roofline_tok_s
+
+    cfg = fake_config(tmp_path)
+    assert cfg.min_roofline_share == 0.05
+    w = cfg.workload
+    bound = roofline_tok_s(4800.0, llama8b, w.prompt_tokens + w.output_tokens // 2,
+                           kv_dtype_bytes(None, llama8b.dtype_bytes))
+    assert bound == pytest.approx(298, rel=0.02)   # 16 GB of bf16 weights at 4.8 TB/s
+    t, values = _record(cfg, H200, llama8b, _measured(3.0))
+    assert t.attrs["failure"] == "cpu_offload" and t.attrs["offload_suspected"] is True
+    assert t.attrs["roofline_tok_s"] == pytest.approx(bound, abs=0.1)
+    share = 3.0 / bound
+    assert t.constraints["slo"] == pytest.approx(0.05 / share - 1, abs=1e-3)
+    assert t.constraints["slo"] > 3   # 1 % of the roofline where 5 % is wanted
+    assert t.attrs["roofline_shortfall"] == t.constraints["slo"]
+    assert all(v == 0 for k, v in t.constraints.items() if k != "slo")
+    assert "below [slo] min_roofline_share 0.05" in t.attrs["failure_message"]
+    # soft: the trial keeps its measured figures, so the sampler sees how slow it was
+    assert values == (3.0, 900.0, 80.0)
+    # --enforce-eager's 13 % of the roofline is slow kernels, not offload
+    t, _ = _record(cfg, H200, llama8b, _measured(39.0))
+    assert t.attrs["failure"] == "" and t.constraints["slo"] == 0.0
+    assert t.attrs["offload_suspected"] is False and t.attrs["roofline_pct"] == pytest.approx(13, abs=0.5)
+
+
+def test_the_roofline_check_is_off_without_a_bandwidth_or_a_share(tmp_path, llama8b):
+    from dataclasses import replace
+
+    cfg = fake_config(tmp_path)
+    # the CPU build: NVML knows no bandwidth, so there is no roofline to fall below
+    t, _ = _record(cfg, FAKE_PLATFORM, llama8b, _measured(3.0))
+    assert "roofline_tok_s" not in t.attrs and t.attrs["failure"] == "" and t.constraints["slo"] == 0
+    # [slo] min_roofline_share = 0 turns it off on a GPU too (the roofline is still reported)
+    t, _ = _record(replace(cfg, min_roofline_share=0.0), H200, llama8b, _measured(3.0))
+    assert t.attrs["roofline_pct"] == pytest.approx(1.0, abs=0.1) and t.constraints["slo"] == 0
+    assert t.attrs["failure"] == ""
+
+
+def test_a_deliberate_offload_is_judged_against_its_pcie_roofline(tmp_path, llama8b):
+    from tuner.records import Capacity
+
+    cfg = fake_config(tmp_path)
+    # 4 GiB over 63 GB/s: at most 14.7 tok/s, and 12 of them is 82 % of that
+    t, _ = _record(cfg, H200, llama8b, _measured(12.0, cpu_offload_gb=4.0))
+    assert t.attrs["roofline_tok_s"] == pytest.approx(63e9 / 4 / 2**30, abs=0.1)
+    assert t.attrs["roofline_offload_gib"] == 4.0
+    assert t.attrs["failure"] == "" and t.constraints["slo"] == 0
+    # the same 12 tok/s with every weight resident is 4 % of the HBM roofline: cpu_offload
+    t, _ = _record(cfg, H200, llama8b, _measured(12.0))
+    assert t.attrs["failure"] == "cpu_offload" and t.constraints["slo"] > 0
+    # the second signal: what the server logged it offloaded wins over the flag (fixed flags in
+    # extra_args, or none known), and is named in the message when the speed still falls short
+    logged = Capacity(kv_cache_tokens=100_000, cpu_offload_gib=4.0)
+    t, _ = _record(cfg, H200, llama8b, _measured(12.0, capacity=logged))
+    assert t.attrs["cpu_offload_gib"] == 4.0 and t.attrs["roofline_offload_gib"] == 4.0
+    assert t.attrs["failure"] == ""
+    t, _ = _record(cfg, H200, llama8b, _measured(0.5, capacity=logged))
+    assert t.attrs["failure"] == "cpu_offload"
+    assert "logged 4 GiB of weights offloaded" in t.attrs["failure_message"]
+
+
+def test_a_latency_slo_and_the_roofline_share_keep_their_own_figures(tmp_path, llama8b):
+    from dataclasses import replace
+
+    from tuner.records import LoadMetrics
+
+    cfg = fake_config(tmp_path)
+    cfg = replace(cfg, workload=replace(cfg.workload, slo_ttft_ms=50.0))
+    outcome = _measured(3.0)
+    outcome = replace(outcome, metrics=replace(outcome.metrics, ttft_ms_p90=75.0))
+    t, _ = _record(cfg, H200, llama8b, outcome)
+    assert t.attrs["slo_latency_violation"] == pytest.approx(0.5)
+    assert t.constraints["slo"] == t.attrs["roofline_shortfall"] > 0.5
+    assert isinstance(outcome.metrics, LoadMetrics)
+
+
+def test_when_every_config_is_too_slow_export_offers_the_best_with_a_warning(tmp_path):
+    # the tiny model's roofline on an H200 is millions of tok/s: the fake's 100 tok/s is far below
+    cfg = fake_config(tmp_path)
+    study = Tuner(cfg, measure=FakeDevice(), platform=H200, progress=False).run(6)
+    measured = [t for t in study.trials if t.user_attrs.get("single_stream_tok_s")]
+    assert measured and all(t.user_attrs["failure"] == "cpu_offload" for t in measured)
+    assert all(t.constraints["slo"] > 0 for t in measured)
+    df = report.trials_frame(study)
+    assert not df["pareto"].any()
+    front, warning = export.offered_front(df)
+    assert len(front) and set(front["failure"]) == {"cpu_offload"}
+    assert "min_roofline_share" in warning and warning.startswith("warning:")
+    script = (cfg.results_path / "best-command.sh").read_text()
+    assert "# warning: no measured config reached [slo] min_roofline_share" in script
+    # with one feasible config the slow ones are not offered
+    from dataclasses import replace
+
+    cfg2 = replace(fake_config(tmp_path / "b"), min_roofline_share=0.0)
+    study2 = Tuner(cfg2, measure=FakeDevice(), platform=H200, progress=False).run(4)
+    df2 = report.trials_frame(study2)
+    front2, warning2 = export.offered_front(df2)
+    assert warning2 == "" and front2["pareto"].all() and len(front2)

@@ -245,7 +245,7 @@ def print_summary(study, cfg) -> None:
     from tuner import export, report
 
     df = report.trials_frame(study, cfg.tie_tolerance)
-    front = df[df["pareto"]]
+    front, warning = export.offered_front(df, cfg.tie_tolerance)
     counts = df["failure"].replace("", "measured").value_counts().to_dict()
     print(f"study {cfg.name}: {len(df)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())})",
           file=sys.stderr)
@@ -255,8 +255,10 @@ def print_summary(study, cfg) -> None:
     print(f"results: {cfg.results_path}/ (trials.csv, pareto.csv, levels.csv, noise.json, "
           "pareto.png, curves.png, parameters.png, best-command.sh, report.html)", file=sys.stderr)
     if len(front):
-        print(export.command(export.choose(front, "balanced", df.attrs.get("noise"),
-                                           cfg.tie_tolerance), study, cfg))
+        if warning:
+            print(f"tuner: {warning}", file=sys.stderr)
+        print(export.exported(export.choose(front, "balanced", df.attrs.get("noise"),
+                                            cfg.tie_tolerance), study, cfg).command())
 
 
 def _study_and_frame(args):
@@ -300,11 +302,11 @@ def cmd_export(args) -> int:
     from tuner import export
 
     cfg, study, df = _study_and_frame(args)
-    front = df[df["pareto"]]
+    front, warning = export.offered_front(df, cfg.tie_tolerance)
     if front.empty:
         raise TunerError(f"study {cfg.name} has no feasible measured config yet: run more trials")
     row = export.choose(front, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance)
-    exported = export.exported(row, study, cfg, keep_dummy=args.keep_dummy)
+    exported = export.exported(row, study, cfg, keep_dummy=args.keep_dummy, warning=warning)
     for note in exported.notes:
         print(f"# {note}", file=sys.stderr)
     if args.json:
@@ -313,7 +315,7 @@ def cmd_export(args) -> int:
         print(exported.command())
     cfg.results_path.mkdir(parents=True, exist_ok=True)
     (cfg.results_path / "best-command.sh").write_text(
-        export.script(row, study, cfg, keep_dummy=args.keep_dummy))
+        export.script(row, study, cfg, keep_dummy=args.keep_dummy, warning=warning))
     return 0
 
 

@@ -95,6 +95,9 @@ class StudyConfig:
     gpu_busy_wait_s: float = 120.0            # wait this long for a busy GPU, then skip the config
     use_memory_model: bool = True
     tie_tolerance: float = 0.02               # relative differences below this are ties on the front
+    # [slo] min_roofline_share: a single stream below this share of its roofline is cpu_offload
+    # (a soft constraint); 0 = off. Checked only where the device's bandwidth is known (not on CPU)
+    min_roofline_share: float = 0.05
 
     @property
     def results_path(self) -> Path:
@@ -455,8 +458,14 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     if "sequences_at_context" in requirement and "context_tokens" not in requirement:
         raise _fail(source, "requirement.sequences_at_context", "needs the context it counts",
                     "set [requirement] context_tokens too")
-    slo = _take(top.get("slo", {}), {"ttft_ms": float, "tpot_ms": float, "e2e_ms": float},
-                source, "slo")
+    slo = _take(top.get("slo", {}), {"ttft_ms": float, "tpot_ms": float, "e2e_ms": float,
+                                     "min_roofline_share": float}, source, "slo")
+    from tuner.feasibility import MIN_ROOFLINE_SHARE
+
+    min_roofline_share = slo.pop("min_roofline_share", MIN_ROOFLINE_SHARE)
+    if not 0 <= min_roofline_share < 1:
+        raise _fail(source, "slo.min_roofline_share", f"must be in [0, 1), got {min_roofline_share:g}",
+                    "0 turns the check off; 0.05 is the default")
 
     name = overrides.get("name") or study.get("name") or Path(source).stem
     if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
@@ -576,7 +585,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         sampler=sampler, seed=overrides.get("seed", study.get("seed")), confirm=confirm,
         replicates=replicates, gpu_busy_wait_s=busy_wait,
         use_memory_model=study.get("memory_model", True),
-        tie_tolerance=study.get("tie_tolerance", 0.02),
+        tie_tolerance=study.get("tie_tolerance", 0.02), min_roofline_share=min_roofline_share,
     )
 
 

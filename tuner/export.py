@@ -72,6 +72,34 @@ def balanced_objectives(front: pd.DataFrame, noise: dict | None = None,
     return keys
 
 
+def offered_front(df: pd.DataFrame, tie_tolerance: float = 0.02) -> tuple[pd.DataFrame, str]:
+    """The Pareto set an export picks from, and a warning ("" when none).
+
+    cpu_offload is a soft constraint: when no measured config is feasible but some violate only
+    it (single stream below [slo] min_roofline_share of the roofline), the front of those is
+    offered, with a warning that says so.
+    """
+    from tuner.report import pareto_mask
+
+    front = df[df["pareto"]] if "pareto" in df.columns else df.iloc[0:0]
+    if len(front) or df.empty or "failure" not in df.columns:
+        return front, ""
+    slow = df[(df["state"] == "COMPLETE") & (df["failure"] == "cpu_offload")].copy()
+    others = [c for c in slow.columns if c.startswith("constraint_") and c != "constraint_slo"]
+    for c in others:
+        slow = slow[~(slow[c].astype(float) > 0)]
+    if "slo_latency_violation" in slow.columns:   # the latency SLOs themselves are met
+        slow = slow[~(slow["slo_latency_violation"].astype(float) > 0)]
+    slow = slow[slow[list(OBJECTIVES)].notna().all(axis=1)]
+    if slow.empty:
+        return front, ""
+    slow["feasible"] = True
+    slow = slow[pareto_mask(slow, tie_tolerance)]
+    return slow, (f"warning: no measured config reached [slo] min_roofline_share of its roofline; "
+                  f"offering the best of {len(slow)} too slow (cpu_offload: weights read from host "
+                  "memory?): fit the model in device memory or lower min_roofline_share")
+
+
 # ---------------------------------------------------------------- params of a row
 
 
@@ -216,7 +244,8 @@ def _trial_tokens(row: pd.Series, study, cfg) -> list[str]:
             *summary.get("extra_args", []), "--host", host]
 
 
-def exported(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False) -> Exported:
+def exported(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False,
+             warning: str = "") -> Exported:
     """The launch command of a trial, faithful to what it ran.
 
     Same fixed flags and --host; no --port (the trial's was a free one: vLLM's default 8000
@@ -226,14 +255,15 @@ def exported(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False) -> 
     """
     eng = engines.get(cfg.engine_name if cfg is not None else None)
     if eng.name != "vllm":
-        return _exported_by_engine(eng, row, cfg)
+        e = _exported_by_engine(eng, row, cfg)
+        return replace(e, notes=(warning, *e.notes)) if warning else e
     tokens = _trial_tokens(row, study, cfg)
     parsed = split_engine(tokens)
     if parsed is None:  # an engine the export cannot read: rebuild from the study
         tokens = _trial_tokens(row.drop(labels=["command"], errors="ignore"), study, cfg)
         parsed = split_engine(tokens)
     model, flags = parsed
-    notes: list[str] = []
+    notes: list[str] = [warning] if warning else []
 
     flags, _ports = _take(flags, "--port")
     flags, hosts = _take(flags, "--host")
@@ -317,9 +347,9 @@ def params_dict(row: pd.Series) -> dict:
     return out
 
 
-def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False) -> str:
+def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False, warning: str = "") -> str:
     """best-command.sh: the notes as comments, the settings exported, then exec of the argv."""
-    e = exported(row, study, cfg, keep_dummy)
+    e = exported(row, study, cfg, keep_dummy, warning)
     figures = ", ".join(f"{k} {float(row[k]):.1f}" for k in OBJECTIVES if pd.notna(row.get(k)))
     lines = ["#!/bin/sh", f"# tuner study {study.study_name}, trial {int(row['trial'])}: {figures}"]
     lines += [f"# {n}" for n in e.notes]

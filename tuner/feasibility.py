@@ -228,6 +228,7 @@ class Resolved:
     max_num_batched_tokens: int
     enforce_eager: bool
     kv_dtype_bytes: float
+    cpu_offload_bytes: float = 0.0   # weights vLLM keeps in host memory (--cpu-offload-gb)
 
 
 @dataclass(frozen=True)
@@ -315,7 +316,19 @@ class MemoryModel:
             max_model_len=int(mml), max_num_seqs=int(mns), max_num_batched_tokens=int(mnbt),
             enforce_eager=bool(params.enforce_eager) or self.platform == "cpu",
             kv_dtype_bytes=kv_dtype_bytes(params.kv_cache_dtype, self.shape.dtype_bytes),
+            cpu_offload_bytes=self.offloaded_bytes(params.cpu_offload_gb),
         )
+
+    def offloaded_bytes(self, cpu_offload_gb: float | None) -> float:
+        """Weight bytes --cpu-offload-gb moves to host memory: at most the weights. On the CPU build
+        the device is the host, so nothing leaves the memory the budget is taken from."""
+        if not cpu_offload_gb or self.platform == "cpu":
+            return 0.0
+        return float(min(cpu_offload_gb * GIB, self.shape.weights_bytes))
+
+    def device_weights_bytes(self, r: Resolved) -> float:
+        """Weights resident in the device's memory: the weights less what is offloaded."""
+        return self.shape.weights_bytes - r.cpu_offload_bytes
 
     # -- the overhead term -----------------------------------------------------------------
 
@@ -359,7 +372,7 @@ class MemoryModel:
         return correction
 
     def _prior_total(self, r: Resolved) -> float:
-        return self.shape.weights_bytes + self.prior_runtime_bytes(r)
+        return self.device_weights_bytes(r) + self.prior_runtime_bytes(r)
 
     def overhead_bytes(self, r: Resolved) -> float:
         return self._prior_total(r) + self.correction_bytes(r)
@@ -392,7 +405,8 @@ class MemoryModel:
             fit_len = s.max_position_embeddings
         else:
             fit_len = min(num_blocks * self.block_size, s.max_position_embeddings)
-        band = margin * (overhead - s.weights_bytes if overhead > s.weights_bytes else overhead)
+        weights = self.device_weights_bytes(r)
+        band = margin * (overhead - weights if overhead > weights else overhead)
         band = max(band, block_bytes)
 
         reasons = []
@@ -440,6 +454,8 @@ class MemoryModel:
             ro = self.resolve(o.params)
             if ro.enforce_eager != r.enforce_eager or ro.kv_dtype_bytes != r.kv_dtype_bytes:
                 continue
+            if ro.cpu_offload_bytes < r.cpu_offload_bytes:
+                continue   # this config offloads more weights: more of its share is left for KV
             if math.ceil(o.device_memory_bytes * ro.gpu_memory_utilization) < self.requested_bytes(r):
                 continue
             slack = max(0.0, self.prior_runtime_bytes(ro) - self.prior_runtime_bytes(r))
@@ -470,7 +486,8 @@ class MemoryModel:
         before = self.predict(params)
         miss = (not before.uncertain) and (before.fits != ready)
         if self.calibrated and overhead is not None and not lower_bound:
-            runtime = max(before.overhead_gib * GIB - self.shape.weights_bytes, MIB)
+            runtime = max(before.overhead_gib * GIB - self.device_weights_bytes(self.resolve(params)),
+                          MIB)
             error = abs(overhead - before.overhead_gib * GIB) / runtime
             self.margin = max(self.margin, 1.5 * error)
         if miss:
@@ -565,21 +582,40 @@ def device_memory_bytes(platform: str) -> int:
 
 
 def roofline_tok_s(bandwidth_gbps: float, shape: ModelShape, context_tokens: int,
-                   kv_dtype_bytes: int | None = None) -> float:
-    """Single-stream decode bound: bandwidth / bytes read per token (weights + KV of the context)."""
-    bytes_per_token = shape.weights_bytes + context_tokens * shape.kv_bytes_per_token(kv_dtype_bytes)
-    return bandwidth_gbps * 1e9 / bytes_per_token
+                   kv_dtype_bytes: float | None = None, offload_bytes: float = 0.0,
+                   pcie_gbps: float | None = None) -> float:
+    """Single-stream decode bound: bandwidth / bytes read per token (weights + KV of the context).
+
+    With weights offloaded (--cpu-offload-gb) the device reads the resident weights and the KV
+    cache from its own memory and the offloaded weights over PCIe, both at once at best: the bound
+    is the smaller of the two terms. Without a PCIe figure, PCIE_FALLBACK_GBPS is assumed.
+    """
+    offload = min(max(offload_bytes, 0.0), shape.weights_bytes)
+    device_bytes = (shape.weights_bytes - offload
+                    + context_tokens * shape.kv_bytes_per_token(kv_dtype_bytes))
+    bound = bandwidth_gbps * 1e9 / device_bytes if device_bytes > 0 else math.inf
+    if offload > 0:
+        bound = min(bound, (pcie_gbps or PCIE_FALLBACK_GBPS) * 1e9 / offload)
+    return bound
 
 
-# Below this share of the roofline, a single stream is too slow to be "just inefficient kernels":
-# --enforce-eager measured 13% on an H200, a CPU-offloaded seed 3.5 tok/s (about 1%).
-OFFLOAD_ROOFLINE_SHARE = 0.10
+# A host-to-device link of unknown speed: PCIe 4.0 x16, on the slow side, so that a deliberate
+# offload is not judged against a faster link than it has.
+PCIE_FALLBACK_GBPS = 32.0
+
+# [slo] min_roofline_share: below this share of its roofline a config's single stream is too slow
+# to be inefficient kernels: --enforce-eager measured 13 % on an H200, a CPU-offloaded seed 3.5
+# tok/s (about 1 %). It is then classified cpu_offload (weights read from host memory).
+MIN_ROOFLINE_SHARE = 0.05
 
 
-def offload_suspected(single_stream_tok_s: float | None, roofline_tok_s: float | None,
-                      weights_bytes: int, memory_for_config_bytes: int | None) -> bool:
-    """Weights cannot all be resident and decode runs far under the bandwidth bound."""
-    if not single_stream_tok_s or not roofline_tok_s or memory_for_config_bytes is None:
-        return False
-    return (weights_bytes > memory_for_config_bytes
-            and single_stream_tok_s < OFFLOAD_ROOFLINE_SHARE * roofline_tok_s)
+def roofline_shortfall(single_stream_tok_s: float | None, roofline_tok_s: float | None,
+                       min_share: float | None) -> float:
+    """How far a single stream falls below `min_share` of its roofline: wanted / measured share
+    - 1 (> 0), 0 when it reaches it or nothing can be said (no speed, no roofline, check off)."""
+    if not min_share or not roofline_tok_s or single_stream_tok_s is None:
+        return 0.0
+    share = single_stream_tok_s / roofline_tok_s
+    if share >= min_share:
+        return 0.0
+    return min_share / share - 1 if share > 0 else 1e3

@@ -26,6 +26,7 @@ class GpuInfo:
     compute_capability: tuple[int, int] | None = None
     mig_index: int | None = None          # a MIG instance of GPU `index` (CUDA_VISIBLE_DEVICES=MIG-...)
     cuda_index: int | None = None         # its CUDA ordinal in the server's environment (0 = vLLM's)
+    pcie_bandwidth_gbps: float | None = None   # host link, one direction: generation x lanes
 
     @property
     def label(self) -> str:
@@ -112,6 +113,17 @@ def memory_bandwidth_gbps(name: str, clock_mhz: float | None, bus_bits: int | No
     return round(computed, 1)
 
 
+# PCIe GB/s per lane and direction after line encoding, by generation (PCI-SIG figures).
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+
+
+def pcie_bandwidth_gbps(generation: int | None, lanes: int | None) -> float | None:
+    """Peak host-to-device PCIe bandwidth of a link (what weights offloaded to host memory cross)."""
+    if not generation or not lanes or generation not in PCIE_LANE_GBPS or lanes <= 0:
+        return None
+    return round(PCIE_LANE_GBPS[generation] * lanes, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # NVML access. Initialised once; any NVML error reads as "no GPU".
 
@@ -183,11 +195,15 @@ def _info(nvml, index: int, handle, mig_index: int | None = None, parent=None) -
         bus = nvml.nvmlDeviceGetMemoryBusWidth(board)
     except Exception:
         bus = None
+    try:   # the most the GPU and the slot it sits in both do
+        link = (nvml.nvmlDeviceGetMaxPcieLinkGeneration(board), nvml.nvmlDeviceGetMaxPcieLinkWidth(board))
+    except Exception:
+        link = (None, None)
     return GpuInfo(index=index, name=name, memory_total_bytes=int(memory.total),
                    memory_free_bytes=int(memory.free),
                    memory_bandwidth_gbps=memory_bandwidth_gbps(name, clock, bus),
                    uuid=_uuid(nvml, handle), compute_capability=_capability(nvml, board),
-                   mig_index=mig_index)
+                   mig_index=mig_index, pcie_bandwidth_gbps=pcie_bandwidth_gbps(*link))
 
 
 def all_gpus() -> list[GpuInfo]:

@@ -36,7 +36,7 @@ FAILURE_MEANING = {
     "oom": "CUDA (or host) out of memory during the launch",
     "no_cache_blocks": "no memory was left for any KV cache block",
     "insufficient_free_memory": "other processes held the memory this config asked for",
-    "cpu_offload": "weights were offloaded to the CPU",
+    "cpu_offload": "single stream far below its roofline (weights read from host memory)",
     "predicted_infeasible": "not launched: the memory model or an earlier failure ruled it out",
     "gpu_busy": "not launched: the GPU stayed busy",
     "load_test_failed": "launched, but too many requests of a load level failed",
@@ -213,14 +213,14 @@ def noise_section(df: pd.DataFrame) -> str:
 
 
 def commands_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
-    front = df[df["pareto"]]
+    front, warning = export.offered_front(df, cfg.tie_tolerance)
     if front.empty:
         return section("commands", "Commands to copy",
                        para("no feasible measured config yet: no command to export"))
     blocks = []
     for prefer in export.PREFERENCES:
         row = export.choose(front, prefer, df.attrs.get("noise"), cfg.tie_tolerance)
-        e = export.exported(row, study, cfg)
+        e = export.exported(row, study, cfg, warning=warning)
         figures = ", ".join(f"{h} {fmt(row.get(c), d)}" for c, h, d in OBJECTIVE_COLUMNS)
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in e.notes)
         blocks.append(

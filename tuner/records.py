@@ -32,7 +32,7 @@ class LaunchSpec:
 class LaunchFailure:
     """A launch that did not become ready, classified from vLLM's own messages."""
 
-    kind: str      # oom | kv_cache_too_small | no_cache_blocks | insufficient_free_memory | cpu_offload
+    kind: str      # oom | kv_cache_too_small | no_cache_blocks | insufficient_free_memory
                    # | startup_timeout | port_in_use | crashed
     message: str   # the line that decided the kind
     needed_gib: float | None = None
@@ -47,8 +47,10 @@ class LaunchFailure:
         return self.kind in MEMORY_FAILURES
 
 
+# (cpu_offload is no launch failure: a server that offloads weights serves, and its measured speed
+# against the roofline decides; see study.record_outcome)
 MEMORY_FAILURES = frozenset({"oom", "kv_cache_too_small", "no_cache_blocks",
-                             "insufficient_free_memory", "cpu_offload"})
+                             "insufficient_free_memory"})
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Capacity:
     block_size: int | None = None
     ready_s: float = 0.0
     cache_config: tuple[tuple[str, str], ...] = ()   # labels of vllm:cache_config_info
+    cpu_offload_gib: float | None = None   # weights the server logged as kept in host memory
 
 
 # ---------------------------------------------------------------- the load test
@@ -321,6 +324,7 @@ class Platform:
     bandwidth_gbps: float | None
     engine: tuple[str, ...]
     vllm_version: str
+    pcie_gbps: float | None = None   # host-to-device link, for weights offloaded to host memory
 
 
 def is_feasible(t) -> bool:

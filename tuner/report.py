@@ -209,13 +209,14 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
     folder = cfg.results_path
     front = df[df["pareto"]]
     _write_csv(front, folder / "pareto.csv")
+    offered, warning = export.offered_front(df, cfg.tie_tolerance)
     levels = levels_frame(study)
     _write_csv(levels, folder / "levels.csv")
     (folder / "noise.json").write_text(json.dumps(df.attrs.get("noise", {}), indent=2) + "\n")
     plot_all(df, folder, title=cfg.name, levels=levels)
-    if len(front):
-        row = export.choose(front, prefer, df.attrs.get("noise"))
-        (folder / "best-command.sh").write_text(export.script(row, study, cfg))
+    if len(offered):
+        row = export.choose(offered, prefer, df.attrs.get("noise"))
+        (folder / "best-command.sh").write_text(export.script(row, study, cfg, warning=warning))
     html_report.write(study, cfg, df, levels)
     return df
 

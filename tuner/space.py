@@ -21,6 +21,7 @@ class ServerParams:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool | None = None
     kv_cache_dtype: str | None = None
+    cpu_offload_gb: float | None = None
     extra: tuple[tuple[str, object], ...] = ()
 
     def value(self, name: str):

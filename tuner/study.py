@@ -57,7 +57,7 @@ def detect_platform(cfg: StudyConfig) -> Platform:
     if devices:
         d = devices[0]
         return Platform("cuda", d.name, d.memory_total_bytes, d.memory_bandwidth_gbps, engine,
-                        version)
+                        version, pcie_gbps=d.pcie_bandwidth_gbps)
     return Platform("cpu", f"CPU ({eng.label} CPU build)", feasibility.device_memory_bytes("cpu"), None,
                     engine, version)
 
@@ -202,6 +202,42 @@ def slo_violation(cfg: StudyConfig, m: LoadMetrics) -> float:
     return worst
 
 
+def offload_figures(cfg: StudyConfig, platform: Platform, shape, outcome: TrialOutcome) -> dict:
+    """The single stream against its roofline, as trial attrs: roofline_tok_s, roofline_pct and,
+    below [slo] min_roofline_share of it, roofline_shortfall (wanted / measured share - 1).
+
+    The roofline is offload-aware: the weights offloaded (what the server logged, else the
+    config's --cpu-offload-gb, searched or fixed in extra_args) are read over PCIe. Empty where
+    the bandwidth is unknown (the CPU build) or nothing was measured.
+    """
+    from tuner import feasibility
+    from tuner.config import fixed_flag_values
+
+    m = outcome.metrics
+    if shape is None or platform.bandwidth_gbps is None or m is None:
+        return {}
+    logged = outcome.capacity.cpu_offload_gib if outcome.capacity is not None else None
+    asked = outcome.params.cpu_offload_gb
+    if asked is None:
+        asked = fixed_flag_values(cfg.extra_args, cfg.source).get("cpu_offload_gb")
+    offload_gib = logged if logged is not None else (asked or 0.0)
+    w = cfg.workload
+    bound = feasibility.roofline_tok_s(
+        platform.bandwidth_gbps, shape, w.prompt_tokens + w.output_tokens // 2,
+        feasibility.kv_dtype_bytes(outcome.params.kv_cache_dtype, shape.dtype_bytes),
+        offload_bytes=offload_gib * 2**30, pcie_gbps=platform.pcie_gbps)
+    out = {"roofline_tok_s": round(bound, 1)}
+    if offload_gib:
+        out["roofline_offload_gib"] = round(offload_gib, 2)
+    if m.single_stream_tok_s:
+        out["roofline_pct"] = round(100 * m.single_stream_tok_s / bound, 1)
+        short = feasibility.roofline_shortfall(m.single_stream_tok_s, bound, cfg.min_roofline_share)
+        out["offload_suspected"] = short > 0
+        if short > 0:
+            out["roofline_shortfall"] = round(short, 3)
+    return out
+
+
 def penalty_values(cfg: StudyConfig, study: optuna.Study | None = None) -> tuple[float, float, float]:
     """Objective values told for a config that produced no measurement (its constraints say why).
 
@@ -264,7 +300,11 @@ def config_key(params: dict, dimensions) -> tuple:
 def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
                    extra: dict, penalty: tuple[float, float, float] | None = None
                    ) -> tuple[float, float, float]:
-    """Store everything the trial measured as user attrs and constraints; return its objective values."""
+    """Store everything the trial measured as user attrs and constraints; return its objective values.
+
+    `extra` holds attrs of the trial measured beside the outcome, `offload_figures` among them: a
+    roofline_shortfall there classifies a measured config cpu_offload (the slo constraint).
+    """
     attrs = dict(extra)
     attrs["failure"] = outcome.failure_kind
     attrs["command"] = shlex.join(outcome.argv)
@@ -312,6 +352,22 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
         if m.load_test_failed:
             constraints["load_test"] = max(0.01, m.error_rate)
         constraints["slo"] = slo_violation(cfg, m)
+        short = attrs.get("roofline_shortfall", 0.0)
+        if short > 0:
+            # a soft constraint: the measured figures stay the trial's values, so the search is
+            # steered away from it, and export falls back on it only when nothing else fits
+            attrs["slo_latency_violation"] = constraints["slo"]
+            constraints["slo"] = max(constraints["slo"], short)
+            if not attrs["failure"]:
+                attrs["failure"] = "cpu_offload"
+                logged = (f"; the server logged {outcome.capacity.cpu_offload_gib:g} GiB of weights "
+                          "offloaded to the CPU" if outcome.capacity is not None
+                          and outcome.capacity.cpu_offload_gib else "")
+                attrs["failure_message"] = (
+                    f"single stream {m.single_stream_tok_s:.1f} tok/s is {attrs['roofline_pct']:g} % "
+                    f"of its {attrs['roofline_tok_s']:g} tok/s roofline, below [slo] "
+                    f"min_roofline_share {cfg.min_roofline_share:g}: weights read from host memory"
+                    f"{logged}")
         measured = (m.single_stream_tok_s, m.throughput_tok_s, m.ttft_ms)
         missing = [k for k, v in zip(OBJECTIVES, measured) if v is None]
         if m.load_test_failed:
@@ -375,6 +431,7 @@ class Tuner:
         check_results_dir(cfg)
         self.storage = open_storage(cfg.storage)
         self.memory_model = self._memory_model()
+        self.model_shape = self._model_shape()
         self.study: optuna.Study | None = None
 
     # -- setup
@@ -387,6 +444,19 @@ class Tuner:
                                               self.platform.kind)
         except (OSError, ValueError, KeyError) as e:
             log(f"memory model off: cannot read the model's shape ({e})")
+            return None
+
+    def _model_shape(self):
+        """The model's shape, for the roofline (also with the memory model off); None if unknown."""
+        if self.memory_model is not None:
+            return self.memory_model.shape
+        if self.platform.bandwidth_gbps is None or not (Path(self.model) / "config.json").exists():
+            return None
+        from tuner import feasibility
+
+        try:
+            return feasibility.model_shape(self.model)
+        except (TunerError, OSError, ValueError, KeyError):
             return None
 
     def open(self) -> optuna.Study:
@@ -416,7 +486,11 @@ class Tuner:
             read = engines.get().read_defaults(self.platform.engine, self.model, fixed,
                                                env=dict(self.cfg.env))
         if read is not None:
-            return read, f"read from vLLM {read.get('vllm_version', '')} on this device"
+            # flags vLLM's config is not asked about hold their table default (cpu_offload_gb 0)
+            unread = {f.name: f.default for f in engines.flags()
+                      if not f.read_default and f.default is not None}
+            return ({**unread, **read},
+                    f"read from vLLM {read.get('vllm_version', '')} on this device")
         defaults = {f.name: f.default for f in engines.flags()}
         if "ctx_size" in defaults and defaults["ctx_size"] is None and (Path(self.model) / "config.json").exists():
             # llama-server's -c 0: the model's training context
@@ -676,22 +750,7 @@ class Tuner:
         return self.memory_model.predict(params)
 
     def roofline(self, outcome: TrialOutcome) -> dict:
-        m = outcome.metrics
-        if self.memory_model is None or self.platform.bandwidth_gbps is None or m is None:
-            return {}
-        from tuner import feasibility
-
-        w = self.cfg.workload
-        bound = feasibility.roofline_tok_s(self.platform.bandwidth_gbps, self.memory_model.shape,
-                                           w.prompt_tokens + w.output_tokens // 2)
-        out = {"roofline_tok_s": round(bound, 1)}
-        if m.single_stream_tok_s:
-            out["roofline_pct"] = round(100 * m.single_stream_tok_s / bound, 1)
-            gmu = outcome.params.gpu_memory_utilization or 0.9
-            out["offload_suspected"] = feasibility.offload_suspected(
-                m.single_stream_tok_s, bound, self.memory_model.shape.weights_bytes,
-                int(gmu * self.platform.memory_total_bytes))
-        return out
+        return offload_figures(self.cfg, self.platform, self.model_shape, outcome)
 
     # -- the loop
 
@@ -787,16 +846,23 @@ class Tuner:
         this context (the other memory-relevant flags of the table equal): then this config cannot
         fit either. No cache blocks at all fails whatever the context."""
         flags = [f for f in engines.flags() if f.memory]
+
+        def value(p: space.ServerParams, f):   # an unsearched flag is the engine's default
+            v = p.value(f.name)
+            return f.default if v is None else v
+
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             kind = t.user_attrs.get("failure")
             if kind not in ("kv_cache_too_small", "no_cache_blocks"):
                 continue
             failed = space.params_from(t.params)
-            if any(failed.value(f.name) != params.value(f.name) for f in flags if f.memory == "equal"):
+            if any(value(failed, f) != value(params, f) for f in flags if f.memory == "equal"):
                 continue
-            if any(params.value(f.name) > failed.value(f.name) for f in flags if f.memory == "supply"):
+            if any(value(params, f) is None or value(failed, f) is None
+                   or value(params, f) > value(failed, f) for f in flags if f.memory == "supply"):
                 continue
-            if kind == "no_cache_blocks" or all(params.value(f.name) >= failed.value(f.name)
+            if kind == "no_cache_blocks" or all(value(params, f) is not None and value(failed, f) is not None
+                                                and value(params, f) >= value(failed, f)
                                                 for f in flags if f.memory == "demand"):
                 return t
         return None
@@ -885,6 +951,9 @@ def describe(t: FrozenTrial) -> str:
     if a.get("failure") == "load_test_failed":
         return (f"trial {t.number}: load_test_failed ({a.get('requests_failed', '?')} of "
                 f"{a.get('requests_sent', '?')} requests failed: {str(a.get('top_error', ''))[:120]})")
+    if a.get("failure") == "cpu_offload":
+        return (f"trial {t.number}: cpu_offload (single-stream {a.get('single_stream_tok_s', 0):.1f} "
+                f"tok/s, {a.get('roofline_pct', 0):g} % of its roofline)")
     if a.get("failure"):
         extra = a.get("estimated_max_model_len")
         return f"trial {t.number}: {a['failure']}" + (f" (fits {extra} tokens)" if extra else "")

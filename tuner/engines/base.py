@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -68,6 +69,8 @@ class Flag:
             return None if isinstance(value, str) else f"{name} must be a string, got {value!r}"
         numeric = (int, float) if self.kind == "float" else (int,)
         ok = not isinstance(value, bool) and isinstance(value, numeric)
+        if ok and self.kind == "float":
+            ok = math.isfinite(value)   # nan and inf pass no range check an engine would make
         if ok and self.low is not None:
             ok = value > self.low if self.low_open else value >= self.low
         if ok and self.high is not None:
@@ -76,8 +79,8 @@ class Flag:
             return None
         if self.kind == "float":
             lo = "(" if self.low_open else "["
-            return (f"{name} must be in {lo}{_g(self.low, '-inf')}, {_g(self.high, 'inf')}], "
-                    f"got {value}")
+            hi = "inf)" if self.high is None else f"{self.high:g}]"
+            return f"{name} must be in {lo}{_g(self.low, '-inf')}, {hi}, got {value}"
         if self.low == 1 and self.high is None:
             return f"{name} must be a positive integer (>= 1), got {value}"
         if self.high is None:

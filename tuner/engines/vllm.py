@@ -41,6 +41,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("kv_cache_dtype", "str", "--kv-cache-dtype", default="auto",
          read_default="cache_config.cache_dtype", memory="equal", choices=KV_CACHE_DTYPES,
          hand_tuned="auto", help="data type of the KV cache (auto: the model's)"),
+    # Weights kept in host memory and read over PCIe (vLLM's UVA offloader): every GiB offloaded
+    # is a GiB of device memory left for the KV cache, paid for in decode speed. Not read from
+    # vLLM: its default is 0 on every device.
+    Flag("cpu_offload_gb", "float", "--cpu-offload-gb", default=0.0, memory="supply", low=0.0,
+         hand_tuned=0.0, help="GiB of weights kept in host memory (read over PCIe) per GPU"),
 )
 
 # /metrics samples the load test keeps per level. Gauges are combined across label sets (engines)

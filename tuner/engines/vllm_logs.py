@@ -76,10 +76,6 @@ FAILURE_PATTERNS: tuple[FailurePattern, ...] = (
                    r"DefaultCPUAllocator: can.t allocate memory"),
         source="torch"),
     FailurePattern(
-        "cpu_offload",
-        re.compile(r"Total CPU offloaded parameters:?\s*(?P<needed>[\d.,]*[1-9][\d.,]*)"),
-        "needed", None, "vllm/model_executor/offloader/uva.py"),
-    FailurePattern(
         "port_in_use",
         re.compile(r"Address already in use|\[Errno 98\]|error while attempting to bind on address"),
         source="uvicorn / socket"),
@@ -136,6 +132,9 @@ def classify(log_text: str) -> LaunchFailure | None:
 _WEIGHTS = re.compile(r"Model loading took\s*([\d.,]+)\s*GiB")
 _KV_GIB = (re.compile(r"Available KV cache memory:\s*([\d.,]+)\s*GiB"),
            re.compile(r"(?:Auto|Explicitly) set \(\s*([\d.,]+)\s*/\s*[\d.,]+\s*\)\s*GiB for KV cache"))
+# An INFO line of a server that goes on to serve (--cpu-offload-gb): a capacity fact, not a
+# failure. The measured speed against the roofline decides whether the config is too slow.
+_CPU_OFFLOADED = re.compile(r"Total CPU offloaded parameters:?\s*([\d.,]+)")  # offloader/uva.py, GiB
 _KV_TOKENS = re.compile(r"KV cache size:\s*([\d,]+)\s*tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for\s*[\d,]+\s*tokens per request:\s*([\d.,]+)\s*x")
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(.*)\}", re.M)
@@ -168,6 +167,7 @@ def parse_capacity(log_text: str, metrics_text: str = "", ready_s: float = 0.0) 
     kv_gib = _first(_KV_GIB, log_text)
     tokens = _first([_KV_TOKENS], log_text)
     concurrency = _first([_CONCURRENCY], log_text)
+    offloaded = _first([_CPU_OFFLOADED], log_text)
     cache_config = parse_cache_config_info(metrics_text)
     labels = dict(cache_config)
     kv_tokens = int(_number(tokens)) if tokens else _int_label(labels, "kv_cache_size_tokens")
@@ -183,6 +183,7 @@ def parse_capacity(log_text: str, metrics_text: str = "", ready_s: float = 0.0) 
         block_size=_int_label(labels, "block_size"),
         ready_s=ready_s,
         cache_config=cache_config,
+        cpu_offload_gib=_number(offloaded) if offloaded else None,
     )
 
 
