@@ -25,6 +25,7 @@ EPILOG = """examples:
   python -m tuner export --prefer throughput      the launch command of the chosen config
   python -m tuner measure --gpu-memory-utilization 0.2 --max-model-len 4096 --max-num-seqs 8
   python -m tuner doctor                          what will be launched, and where
+  python -m tuner compare --study demo --study demo-llamacpp   two engines' fronts side by side
 """
 
 
@@ -202,6 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = command("doctor", "show what vLLM will be launched and how, the GPUs, and whether "
                      "storage and results are writable", "  python -m tuner doctor\n")
     add_study_options(doctor)
+
+    compare = command("compare", "put the Pareto fronts of two or more studies (same model and "
+                      "workload, e.g. one per engine) side by side: a table, compare.csv, compare.png",
+                      "  python -m tuner compare --study demo --study demo-llamacpp\n"
+                      "  python -m tuner compare --study studies/a.toml --study studies/b.toml "
+                      "--out results/a-vs-b\n"
+                      "Reads storage only (run each study first). Differing workloads or models "
+                      "are warned about:\nthen the figures are not like for like.\n")
+    compare.add_argument("--study", action="append", default=[], metavar="FILE|NAME",
+                         help="a study file, or a name under studies/; give two or more")
+    compare.add_argument("--out", metavar="DIR",
+                         help="where compare.csv and compare.png go "
+                              "(default: results/compare-A-B/)")
     return parser
 
 
@@ -212,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     handler = {"run": cmd_run, "report": cmd_report, "show": cmd_show, "export": cmd_export,
-               "measure": cmd_measure, "doctor": cmd_doctor}[args.command]
+               "measure": cmd_measure, "doctor": cmd_doctor,
+               "compare": cmd_compare}[args.command]
     # SIGTERM unwinds like Ctrl-C, so every `with ServerProcess` stops its server before exit.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGHUP, _raise_interrupt)
@@ -397,6 +412,19 @@ def cmd_doctor(args) -> int:
     except TunerError as e:
         lines.append(f"results    PROBLEM: {e}")
     print("\n".join(lines))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from tuner import compare
+
+    sides = compare.load_sides(args.study, resolve_study_file)
+    if warning := compare.mismatch(sides):
+        print(f"tuner: {warning}", file=sys.stderr)
+    out = Path(args.out) if args.out else compare.default_out(sides)
+    print(compare.table(sides))
+    paths = compare.write(sides, out)
+    print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
 
 
