@@ -13,7 +13,7 @@ import pytest
 
 from faultkit import REPO, fake_engine_study, private_model, write_study
 
-COMMANDS = ("run", "report", "show", "export", "measure", "doctor")
+COMMANDS = ("run", "report", "show", "export", "measure", "doctor", "compare")
 
 
 def tuner(*args, cwd, timeout=180) -> subprocess.CompletedProcess:
