@@ -124,3 +124,21 @@ def test_bad_input_is_one_line_and_exit_2(work, studies):
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("tuner: error:")
     assert done.stdout == ""
+
+
+def test_the_mismatch_line_names_a_differing_model_and_levels():
+    from dataclasses import replace
+
+    from tuner import compare, config
+
+    demo = config.load_study(str(REPO / "studies" / "demo.toml"))
+    llama = config.load_study(str(REPO / "studies" / "demo-llamacpp.toml"))
+    empty = pd.DataFrame(columns=compare.CSV_COLUMNS)
+
+    def side(cfg, label):
+        return compare.Side(label, cfg, "", "", 0, 0, empty, "")
+
+    line = compare.mismatch([side(demo, "a"), side(replace(llama, model="/models/other"), "b")])
+    assert "levels a 4,16,32 vs b 4,16" in line and "model a preset:tiny vs b /models/other" in line
+    assert "\n" not in line
+    assert compare.mismatch([side(llama, "a"), side(llama, "b")]) == ""

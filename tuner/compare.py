@@ -76,9 +76,8 @@ def load_side(cfg: StudyConfig, label: str) -> Side:
     offered, warning = export.offered_front(df, cfg.tie_tolerance)
     rows, command, pick = [], "", None
     if len(offered):
-        pick = int(export.choose(offered, "balanced", noise, cfg.tie_tolerance)["trial"])
-        command = export.exported(export.choose(offered, "balanced", noise, cfg.tie_tolerance),
-                                  study, cfg).command()
+        chosen = export.choose(offered, "balanced", noise, cfg.tie_tolerance)
+        pick, command = int(chosen["trial"]), export.exported(chosen, study, cfg).command()
     for _, row in offered.sort_values("ttft_ms").iterrows():
         out = {"study": label, "engine": engines.get(cfg.engine_name).label,
                "trial": int(row["trial"]),
