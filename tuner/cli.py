@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "  python -m tuner run --trials 40\n"
                   "  python -m tuner run --study studies/h200.toml --trials 12 --confirm 2\n"
                   "  python -m tuner run --trials 40 --sampler random --name demo-random\n"
+                  "  python -m tuner run --study studies/gpu.toml --trials 40 --gpus 0,1,2,3\n"
+                  "  python -m tuner run --trials 40 --parallel 2 --storage postgresql://tuner@db/tuner\n"
                   "A killed run resumes: run the same command again.\n")
     run.add_argument("--trials", type=positive_int, default=20,
                      help="stop when the study holds this many launched trials (default 20)")
@@ -162,6 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="relaunch each baseline R more times to measure launch-to-launch noise, "
                           "which decides ties on the front (default 1; 0 = no noise measurement)")
     run.add_argument("--quiet", action="store_true", help="no live load-test lines")
+    g = run.add_argument_group("many workers on one study")
+    g.add_argument("--parallel", type=positive_int, metavar="N",
+                   help="N worker processes on this host, asking and telling on the study's "
+                        "storage; --trials is their shared budget (default 1, or one per --gpus)")
+    g.add_argument("--gpus", metavar="LIST",
+                   help="one worker per GPU, each with CUDA_VISIBLE_DEVICES set to its own "
+                        "(e.g. 0,1 or GPU-UUIDs)")
+    g.add_argument("--first-worker", dest="first_worker", type=int, default=0, metavar="K",
+                   help="number this host's workers from K (their sampler seeds are seed + number): "
+                        "on a second host sharing a PostgreSQL study, the count of workers before it")
+    g.add_argument("--ports", metavar="LOW-HIGH",
+                   help="the ports this run's servers bind (default: any free port; each --parallel "
+                        "worker gets its own range)")
+    g.add_argument("--worker", type=int, help=argparse.SUPPRESS)   # set by --parallel for its workers
     add_study_options(run)
 
     report = command("report", "rebuild results/NAME/ (CSV files, plots, best command, report.html) "
@@ -222,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return 2
@@ -246,11 +263,32 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def parse_ports(text: str) -> range:
+    low, sep, high = text.partition("-")
+    if not (sep and low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 65536):
+        raise TunerError(f"--ports {text!r}: give a range LOW-HIGH, e.g. --ports 20000-20199")
+    return range(int(low), int(high) + 1)
+
+
 def cmd_run(args) -> int:
+    from tuner import launcher, parallel
     from tuner.study import Tuner
 
     cfg = checked_config(args)
-    tuner = Tuner(cfg, progress=not args.quiet)
+    if args.ports:
+        launcher.PORT_RANGE = parse_ports(args.ports)
+    gpus = parallel.parse_gpus(args.gpus)
+    n_workers = args.parallel or max(1, len(gpus))
+    if args.worker is None and (n_workers > 1 or gpus):
+        study = parallel.run(cfg, args.argv, n_workers, args.trials, gpus, args.first_worker)
+        print_summary(study, cfg)
+        return 0
+    if args.worker is not None:   # one of `--parallel`'s workers: the supervisor writes results/
+        tuner = Tuner(cfg, progress=False, worker=args.worker, report_at_end=False)
+        tuner.run(args.trials)
+        return 0
+    # one tuner; numbered only when told (a host of its own on a shared PostgreSQL study)
+    tuner = Tuner(cfg, progress=not args.quiet, worker=args.first_worker or None)
     study = tuner.run(args.trials)
     print_summary(study, cfg)
     return 0

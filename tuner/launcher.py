@@ -68,10 +68,30 @@ def build_argv(spec: LaunchSpec, engine_cmd: tuple[str, ...], port: int) -> list
                               spec.host, port)
 
 
+# The ports this process's servers bind (a worker of `run --parallel` gets its own range, so two
+# workers never race for one port); None: any free port the OS hands out.
+PORT_RANGE: range | None = None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now: from PORT_RANGE when set (a random one, so a retry moves on), else the OS's."""
+    if PORT_RANGE is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    import random
+
+    ports = list(PORT_RANGE)
+    start = random.randrange(len(ports))
+    for port in ports[start:] + ports[:start]:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise TunerError(f"no free port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1} on {host}: "
+                     "pass --ports LOW-HIGH")
 
 
 # ---------------------------------------------------------------------------------------------

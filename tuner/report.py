@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -236,7 +237,7 @@ def levels_frame(study) -> pd.DataFrame:
 
 
 def _write_csv(df: pd.DataFrame, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")   # workers of one study write side by side
     df.to_csv(tmp, index=False)
     tmp.replace(path)
 

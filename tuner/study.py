@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import hashlib
 import json
 import os
 import shlex
 import socket
 import tempfile
+import threading
 import time
+import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Callable
@@ -30,6 +35,12 @@ CONSTRAINTS = ("memory", "launch", "load_test", "slo", "requirement")
 # Trials that were not launched (the memory model ruled them out, or the config was measured
 # already) do not count towards --trials, so a run of N trials means N launches at most.
 SKIPPED_KINDS = ("predicted_infeasible", "duplicate", "gpu_busy")
+# Many workers on one study (`run --parallel N`, or hosts sharing a PostgreSQL storage): each
+# RUNNING trial beats its heart this often, and one silent this long is failed and queued again
+# once by whichever worker notices (a worker on its own host notices a dead one at once, by pid).
+HEARTBEAT_INTERVAL_S = 10
+HEARTBEAT_GRACE_S = 60
+WAIT_POLL_S = 1.0
 MAX_ASKS_PER_TRIAL = 20
 # A study stops rather than relaunch servers for nothing: after this many tuner errors or busy-GPU
 # skips in a row, and at once when (nearly) every request of a launch failed with one error.
@@ -119,7 +130,10 @@ def check_results_dir(cfg: StudyConfig) -> None:
         raise TunerError(f"results folder {folder} is not writable: pass --results DIR") from None
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
+def open_storage(url: str, shared: bool = False) -> optuna.storages.BaseStorage:
+    """The study's RDB storage; `shared` (several workers on it): with Optuna's heartbeat, so a
+    trial whose worker died is failed and queued again once, and SQLite waits for its lock."""
+    kwargs: dict = {}
     if url.startswith("sqlite:///"):
         db = Path(url[len("sqlite:///"):])
         if not db.parent.exists():
@@ -127,12 +141,95 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
                 db.parent.mkdir(parents=True)
             except OSError as e:
                 raise TunerError(f"storage {url} cannot be opened: {e.strerror}: pass --storage URL")
+        if shared:   # writers queue for SQLite's one lock instead of failing with "database is locked"
+            kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
+    if shared:
+        kwargs.update(heartbeat_interval=HEARTBEAT_INTERVAL_S, grace_period=HEARTBEAT_GRACE_S,
+                      heartbeat_stale_trial_callback=RequeueOnce())
     try:
-        return optuna.storages.RDBStorage(url)
+        with warnings.catch_warnings():   # the heartbeat is an "experimental" Optuna argument
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(url, **kwargs)
     except Exception as e:  # SQLAlchemy raises many kinds; all mean "this URL does not work"
         reason = str(e).splitlines()[0][:200]
         raise TunerError(f"storage {url} cannot be opened ({type(e).__name__}: {reason}): "
                          "pass --storage URL (e.g. sqlite:///studies/NAME.db)")
+
+
+class RequeueOnce(optuna.storages.RetryHeartbeatStaleTrialCallback):
+    """A trial whose worker died is queued again once, by Optuna's retry convention (system attrs
+    `failed_trial` and `retry_history`), carrying only its baseline attrs: the dead worker's pid,
+    host and server pgid would make the retry look like that worker's trial, which the sweep for
+    dead workers would then fail again."""
+
+    def __init__(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            super().__init__(max_retry=1)
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        kept = copy.copy(trial)
+        kept._user_attrs = {k: v for k, v in trial.user_attrs.items() if k.startswith("baseline")}
+        kept._system_attrs = {k: v for k, v in trial.system_attrs.items()
+                              if k in ("failed_trial", "retry_history")}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            super().__call__(study, kept)
+
+
+@contextlib.contextmanager
+def study_lock(storage, url: str, name: str):
+    """One worker at a time decides what to launch (the budget left, the configs in flight):
+    PostgreSQL's advisory lock on the study, or an flock on a file beside an SQLite database. Both
+    are let go when their holder dies. Other storages: no lock (a race costs one extra launch)."""
+    if url.startswith("sqlite:///"):
+        import fcntl
+
+        with open(url[len("sqlite:///"):] + ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    elif url.startswith("postgresql") and hasattr(storage, "engine"):
+        from sqlalchemy import text
+
+        key = int.from_bytes(hashlib.sha256(f"tuner:{name}".encode()).digest()[:8], "big", signed=True)
+        with storage.engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            try:
+                yield
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                conn.commit()
+    else:
+        yield
+
+
+class Heartbeat:
+    """Record a trial's heartbeat every HEARTBEAT_INTERVAL_S while its worker works on it."""
+
+    def __init__(self, storage, trial_id: int):
+        self.storage, self.trial_id = storage, trial_id
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True, name=f"heartbeat-{trial_id}")
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception as e:  # a storage hiccup must not kill the trial: the next beat may pass
+                log(f"  heartbeat of trial id {self.trial_id} not recorded: {type(e).__name__}")
+            if self.stop.wait(self.storage.get_heartbeat_interval()):
+                return
+
+    def __enter__(self) -> "Heartbeat":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
 
 
 def load_existing(cfg: StudyConfig) -> optuna.Study:
@@ -155,11 +252,14 @@ def gp_available() -> bool:
     return True
 
 
-def make_sampler(cfg: StudyConfig, name: str | None = None) -> optuna.samplers.BaseSampler:
+def make_sampler(cfg: StudyConfig, name: str | None = None, worker: int = 0
+                 ) -> optuna.samplers.BaseSampler:
+    """The study's sampler; worker k of a shared study draws with seed + k, so workers do not
+    propose the same configs in the same order."""
     name = name or cfg.sampler
     if name == "auto":
         name = "gp" if gp_available() else "tpe"
-    seed = cfg.seed
+    seed = cfg.seed + worker if cfg.seed is not None else None
     if name == "gp":
         return optuna.samplers.GPSampler(seed=seed, n_startup_trials=5)
     if name == "tpe":
@@ -410,11 +510,20 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
 
 
 class Tuner:
-    """One tuning run: resume or create the study, then launch configs until N trials finished."""
+    """One tuning run: resume or create the study, then launch configs until N trials finished.
+
+    `worker` k (None: the one tuner of a local SQLite study) makes it one of many on a shared
+    study: sampler seed + k, heartbeats, and a claim under the study lock before each launch, so
+    the budget is shared and no config is launched while another worker measures it. A study on
+    a server storage (PostgreSQL) is always treated as shared."""
 
     def __init__(self, cfg: StudyConfig, measure: Measure | None = None,
-                 platform: Platform | None = None, progress: bool = True):
+                 platform: Platform | None = None, progress: bool = True,
+                 worker: int | None = None, report_at_end: bool = True):
         self.cfg = cfg
+        self.worker = worker
+        self.shared = worker is not None or not cfg.storage.startswith("sqlite")
+        self.report_at_end = report_at_end
         self.platform = platform or detect_platform(cfg)
         self.model, self.extra_args = resolve_model(cfg)
         real = measure is None
@@ -429,7 +538,7 @@ class Tuner:
         self.progress = progress
         self.scale = memory_scale(cfg, self.platform)
         check_results_dir(cfg)
-        self.storage = open_storage(cfg.storage)
+        self.storage = open_storage(cfg.storage, shared=self.shared)
         self.memory_model = self._memory_model()
         self.model_shape = self._model_shape()
         self.study: optuna.Study | None = None
@@ -465,10 +574,11 @@ class Tuner:
             {"study": self.cfg.name, "storage": self.cfg.storage}, indent=2) + "\n")
         study = optuna.create_study(study_name=self.cfg.name, storage=self.storage,
                                     directions=list(DIRECTIONS), load_if_exists=True,
-                                    sampler=make_sampler(self.cfg))
-        if not study.user_attrs.get("config"):
-            study.set_user_attr("config", study_summary(self.cfg, self.model, self.extra_args))
-            self.enqueue_baselines(study)
+                                    sampler=make_sampler(self.cfg, worker=self.worker or 0))
+        with self.lock():   # the first worker to get here queues the baselines, once
+            if not study.user_attrs.get("config"):
+                study.set_user_attr("config", study_summary(self.cfg, self.model, self.extra_args))
+                self.enqueue_baselines(study)
         self.study = study
         self.recover_interrupted(study)
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
@@ -536,8 +646,22 @@ class Tuner:
         for name, values, attrs in self.baselines():
             study.enqueue_trial(values, user_attrs=attrs, skip_if_exists=True)
 
+    def lock(self):
+        """The study lock of a shared study (see `study_lock`); nothing for a local one."""
+        if not self.shared:
+            return contextlib.nullcontext()
+        return study_lock(self.storage, self.cfg.storage, self.cfg.name)
+
     def recover_interrupted(self, study: optuna.Study) -> None:
-        """Trials left RUNNING by a killed tuner on this host: stop their servers, fail, retry."""
+        """Trials left RUNNING by a killed tuner on this host: stop their servers, fail, retry.
+
+        On a shared study this runs under the study lock (each dead worker's trial is failed and
+        queued again by one worker only, and only once: `RequeueOnce`), and also stops the server
+        of a trial another host failed for its silent heartbeat."""
+        with self.lock():
+            self._recover_interrupted(study)
+
+    def _recover_interrupted(self, study: optuna.Study) -> None:
         from tuner import launcher
 
         r = study.user_attrs.get("relaunch_server") or {}
@@ -547,8 +671,11 @@ class Tuner:
                 log(f"stopped server of an interrupted {r.get('kind')} of trial {r.get('trial')} "
                     f"(pgid {r['pgid']}, pids {', '.join(map(str, killed))})")
             study.set_user_attr("relaunch_server", {})
-        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        states = (TrialState.RUNNING, TrialState.FAIL) if self.shared else (TrialState.RUNNING,)
+        for t in study.get_trials(deepcopy=False, states=states):
             a = t.user_attrs
+            if t.state == TrialState.FAIL and (a.get("failure") or not a.get("server_pgid")):
+                continue  # failed by its own tuner, or before a server started
             if a.get("tuner_host") != socket.gethostname() or _alive(a.get("tuner_pid")):
                 continue  # another tuner's trial, still being worked on
             pgid, port = a.get("server_pgid"), a.get("server_port")
@@ -557,12 +684,31 @@ class Tuner:
                 if killed:
                     log(f"stopped server of interrupted trial {t.number} (pgid {pgid}, "
                         f"pids {', '.join(map(str, killed))})")
+            if t.state == TrialState.FAIL:
+                continue  # failed for its heartbeat elsewhere, and queued again there
+            if self.shared:
+                try:
+                    study._storage.set_trial_user_attr(t._trial_id, "failure", "interrupted")
+                    study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    continue  # its heartbeat ran out and another host failed it first
+                RequeueOnce()(study, study._storage.get_trial(t._trial_id))
+                log(f"trial {t.number} of worker pid {a.get('tuner_pid')} was interrupted; "
+                    "its config is queued again (once)")
+                continue
             study._storage.set_trial_user_attr(t._trial_id, "failure", "interrupted")
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             if t.params:
                 study.enqueue_trial(t.params, user_attrs={k: v for k, v in a.items()
                                                           if k == "baseline"})
             log(f"trial {t.number} was interrupted; its config is queued again")
+
+    def fail_stale_trials(self, study: optuna.Study) -> None:
+        """Fail (and queue again once) trials of workers elsewhere whose heartbeat went silent."""
+        if self.shared:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(study)
 
     def observe(self, t: FrozenTrial) -> None:
         """Feed a finished trial to the memory model (also on resume, from storage)."""
@@ -586,13 +732,23 @@ class Tuner:
 
     # -- counting
 
-    def launched_count(self, study: optuna.Study) -> int:
+    def launched_count(self, study: optuna.Study, trials: list[FrozenTrial] | None = None) -> int:
         """Launches so far: finished trials that were not skipped, and trials that hit a tuner error
         (they count, so a deterministic fault cannot relaunch servers forever)."""
-        return sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,
-                                                                        TrialState.FAIL))
+        if trials is None:
+            trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+        return sum(1 for t in trials
                    if (t.state == TrialState.COMPLETE and t.user_attrs.get("failure")
-                       not in SKIPPED_KINDS) or t.user_attrs.get("failure") == "tuner_error")
+                       not in SKIPPED_KINDS) or (t.state == TrialState.FAIL and
+                                                 t.user_attrs.get("failure") == "tuner_error"))
+
+    def in_flight(self, study: optuna.Study, trials: list[FrozenTrial] | None = None,
+                  but: int | None = None) -> list[FrozenTrial]:
+        """Trials some worker is launching or measuring now (claimed, see `claim`)."""
+        if trials is None:
+            trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        return [t for t in trials if t.state == TrialState.RUNNING and t.number != but
+                and t.user_attrs.get("launching")]
 
     def find_duplicate(self, study: optuna.Study, trial: optuna.Trial) -> FrozenTrial | None:
         key = config_key(trial.params, self.cfg.dimensions)
@@ -604,19 +760,77 @@ class Tuner:
 
     # -- one trial
 
+    def tell_duplicate(self, study: optuna.Study, trial: optuna.Trial, same: FrozenTrial) -> str:
+        trial.set_user_attr("failure", "duplicate")
+        trial.set_user_attr("duplicate_of", same.number)
+        for key, value in same.constraints.items():
+            trial.set_constraint(key, value)
+        study.tell(trial, same.values)
+        return "duplicate"
+
+    def claim(self, study: optuna.Study, trial: optuna.Trial, n_target: int) -> str | None:
+        """On a shared study, before a launch: under the study lock, mark the trial `launching`
+        unless the other workers' launches fill the budget or one of them is measuring this very
+        config. Then wait (the trial stays RUNNING, its heart beating): for the other measurement,
+        to tell its figures as a duplicate; for the budget, until the launches in flight end (one
+        whose worker died frees its place). None: launch; else the kind the trial ended as."""
+        if not self.shared:
+            return None
+        key = config_key(trial.params, self.cfg.dimensions)
+        said = None
+        while True:
+            with self.lock():
+                trials = study.get_trials(deepcopy=False)
+                flying = self.in_flight(study, trials, but=trial.number)
+                same = next((t for t in flying if config_key(t.params, self.cfg.dimensions) == key),
+                            None)
+                launched = self.launched_count(study, trials)
+                if same is None and launched + len(flying) < n_target:
+                    trial.set_user_attr("launching", True)
+                    trial.set_user_attr("launch_at", round(time.time(), 3))
+                    return None
+            if same is None and launched >= n_target:
+                return self.give_back(study, trial)
+            if same is not None and said != same.number:
+                said = same.number
+                log(f"  trial {trial.number}: trial {same.number} (worker pid "
+                    f"{same.user_attrs.get('tuner_pid')}) is measuring this config; waiting for it")
+            time.sleep(WAIT_POLL_S)
+            self.recover_interrupted(study)
+            self.fail_stale_trials(study)
+            if same is not None and (measured := self.find_duplicate(study, trial)) is not None:
+                return self.tell_duplicate(study, trial, measured)
+
+    def give_back(self, study: optuna.Study, trial: optuna.Trial) -> str:
+        """The budget was spent while this trial was being decided: end it unlaunched, and queue
+        a queued config (a baseline, a retry) again for a later run with a larger budget."""
+        trial.set_user_attr("failure", "budget_spent")
+        study.tell(trial, state=TrialState.FAIL)
+        if trial.system_attrs.get("fixed_params"):
+            study.enqueue_trial(trial.params, user_attrs={
+                k: v for k, v in trial.user_attrs.items() if k.startswith("baseline")})
+        return "budget_spent"
+
     def run_trial(self, study: optuna.Study, n_target: int, started: float) -> str:
-        trial = study.ask()
-        params = space.suggest(trial, self.cfg.dimensions)
-        trial.set_user_attr("tuner_host", socket.gethostname())
+        with warnings.catch_warnings():   # "heartbeat ... with Study.optimize": beaten here, below
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")
+            trial = study.ask()
+        # the pid before the host: a trial with a host and no pid would look like a dead tuner's
         trial.set_user_attr("tuner_pid", os.getpid())
+        trial.set_user_attr("tuner_host", socket.gethostname())
+        if self.worker is not None:
+            trial.set_user_attr("tuner_worker", self.worker)
+        if not self.shared:
+            return self.run_asked(study, trial, n_target, started)
+        with Heartbeat(self.storage, trial._trial_id):
+            return self.run_asked(study, trial, n_target, started)
+
+    def run_asked(self, study: optuna.Study, trial: optuna.Trial, n_target: int,
+                  started: float) -> str:
+        params = space.suggest(trial, self.cfg.dimensions)
         same = self.find_duplicate(study, trial)
         if same is not None:
-            trial.set_user_attr("failure", "duplicate")
-            trial.set_user_attr("duplicate_of", same.number)
-            for key, value in same.constraints.items():
-                trial.set_constraint(key, value)
-            study.tell(trial, same.values)
-            return "duplicate"
+            return self.tell_duplicate(study, trial, same)
         launch_params = space.scaled(params, self.scale)
         w = self.cfg.workload
         longest = engines.get().request_context(params.values())   # vLLM: max_model_len
@@ -677,6 +891,9 @@ class Tuner:
                         launch_params, prediction))
                 study.tell(trial, penalty_values(self.cfg, study))
                 return "predicted_infeasible"
+        claimed = self.claim(study, trial, n_target)
+        if claimed is not None:
+            return claimed
 
         k = self.launched_count(study) + 1
         progress.begin(trial.number, k, flags=" ".join(launch_params.vllm_flags()))
@@ -766,10 +983,20 @@ class Tuner:
         progress.start(n_trials, done, enabled=self.progress)
         try:
             while True:
-                self.replicate_baselines(study)
-                if self.launched_count(study) >= n_trials:
+                if self.shared:
+                    self.recover_interrupted(study)   # a worker on this host that died
+                    self.fail_stale_trials(study)     # one elsewhere whose heart stopped
+                if not self.worker:   # replicates and confirmations: by worker 0 alone
+                    self.replicate_baselines(study)
+                launched = self.launched_count(study)
+                if launched >= n_trials:
                     break
+                if self.shared and launched + len(self.in_flight(study)) >= n_trials:
+                    time.sleep(WAIT_POLL_S)   # the launches in flight fill it, unless one dies
+                    continue
                 kind = self.run_trial(study, n_trials, started)
+                if kind == "budget_spent":
+                    continue
                 report.write_trials(study, self.cfg)
                 errors_in_a_row = errors_in_a_row + 1 if kind == "tuner_error" else 0
                 busy_in_a_row = busy_in_a_row + 1 if kind == "gpu_busy" else 0
@@ -787,14 +1014,16 @@ class Tuner:
                         break
                 else:
                     asks_without_launch = 0
-            if self.cfg.confirm:
+            if self.cfg.confirm and not self.worker:
                 self.confirm(study)
         except (TunerError, KeyboardInterrupt):
-            report.write_all(study, self.cfg)  # what was measured lands in results/ on the way out
+            if self.report_at_end:
+                report.write_all(study, self.cfg)  # what was measured lands in results/ on the way out
             raise
         finally:
             progress.stop()
-        report.write_all(study, self.cfg)
+        if self.report_at_end:
+            report.write_all(study, self.cfg)
         return study
 
     def replicate_baselines(self, study: optuna.Study) -> None:
