@@ -39,37 +39,33 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
         if on_started is not None:
             on_started(server)
         ready = server.wait_ready()
+        launch_s = time.monotonic() - t0
+        logged = server.read_log()   # up to readiness (or the failure)
         base = TrialOutcome(params=spec.params, argv=tuple(server.argv), log_path=spec.log_path,
-                            launch_s=time.monotonic() - t0,
-                            launch_phases=tuple(server.engine.launch_phases(server.read_log()).items()))
+                            launch_s=launch_s,
+                            launch_phases=tuple(server.engine.launch_phases(logged).items()))
         if isinstance(ready, LaunchFailure):
             return replace(base, failure=ready, **_peaks(sampler))
         t1 = time.monotonic()
-        logged_before_load = len(server.read_log())
         phases = run_load_test(server.base_url, spec.model, workload, progress=progress,
                                engine=spec.engine, alive=lambda: server.returncode is None)
         metrics = summarize(phases, workload)
         died = None
         if server.returncode is not None:   # it exited under load: read its log again, classify
-            died = died_under_load(server.read_log(), server.returncode, logged_before_load)
+            died = died_under_load(server.read_log(), server.returncode, server.classify,
+                                   load_started_at=len(logged))
         return replace(base, capacity=ready, metrics=metrics, load_s=time.monotonic() - t1,
                        server_exit_code=server.returncode, died_under_load=died, **_peaks(sampler))
 
 
-def classify_log(log_text: str) -> LaunchFailure | None:
-    """The engine's classification of a server log (the one place to point at another engine's)."""
-    from tuner.launcher import classify
-
-    return classify(log_text)
-
-
-def died_under_load(log_text: str, exit_code: int, load_started_at: int = 0) -> LaunchFailure:
+def died_under_load(log_text: str, exit_code: int, classify,
+                    load_started_at: int = 0) -> LaunchFailure:
     """Why a server exited during its load test, from what it logged from `load_started_at` (a
-    character offset) on, so startup lines cannot decide it: the launch failure kinds (a CUDA OOM
-    is "oom"), else "crashed" with the exit code."""
+    character offset) on, so startup lines cannot decide it: the launch failure kinds of its
+    engine's `classify` (vLLM's: a CUDA OOM is "oom"), else "crashed" with the exit code."""
     from tuner.launcher import log_tail
 
-    found = classify_log(log_text[load_started_at:])
+    found = classify(log_text[load_started_at:])
     if found is None:
         found = LaunchFailure(kind="crashed", message=f"the server exited with code {exit_code} "
                               "during the load test", log_tail=log_tail(log_text))
