@@ -25,9 +25,8 @@ from optuna.trial import FrozenTrial, TrialState
 from tuner import engines, plan, presets, progress, requirement, space
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
-from tuner.records import is_feasible
 from tuner.records import (Capacity, LaunchFailure, LaunchSpec, LoadMetrics, Platform,  # noqa: F401
-                           TrialOutcome)
+                           TrialOutcome, is_feasible)
 
 OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
 DIRECTIONS = ("maximize", "maximize", "minimize")
@@ -147,13 +146,20 @@ def open_storage(url: str, shared: bool = False) -> optuna.storages.BaseStorage:
         kwargs.update(heartbeat_interval=HEARTBEAT_INTERVAL_S, grace_period=HEARTBEAT_GRACE_S,
                       heartbeat_stale_trial_callback=RequeueOnce())
     try:
-        with warnings.catch_warnings():   # the heartbeat is an "experimental" Optuna argument
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        with quiet_experimental():   # the heartbeat is an "experimental" Optuna argument
             return optuna.storages.RDBStorage(url, **kwargs)
     except Exception as e:  # SQLAlchemy raises many kinds; all mean "this URL does not work"
         reason = str(e).splitlines()[0][:200]
         raise TunerError(f"storage {url} cannot be opened ({type(e).__name__}: {reason}): "
                          "pass --storage URL (e.g. sqlite:///studies/NAME.db)")
+
+
+@contextlib.contextmanager
+def quiet_experimental():
+    """Optuna's heartbeat and retry API without its ExperimentalWarning on every use."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
 
 
 class RequeueOnce(optuna.storages.RetryHeartbeatStaleTrialCallback):
@@ -163,8 +169,7 @@ class RequeueOnce(optuna.storages.RetryHeartbeatStaleTrialCallback):
     dead workers would then fail again."""
 
     def __init__(self) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        with quiet_experimental():
             super().__init__(max_retry=1)
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
@@ -172,8 +177,7 @@ class RequeueOnce(optuna.storages.RetryHeartbeatStaleTrialCallback):
         kept._user_attrs = {k: v for k, v in trial.user_attrs.items() if k.startswith("baseline")}
         kept._system_attrs = {k: v for k, v in trial.system_attrs.items()
                               if k in ("failed_trial", "retry_history")}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        with quiet_experimental():
             super().__call__(study, kept)
 
 
@@ -686,18 +690,16 @@ class Tuner:
                         f"pids {', '.join(map(str, killed))})")
             if t.state == TrialState.FAIL:
                 continue  # failed for its heartbeat elsewhere, and queued again there
+            try:
+                study._storage.set_trial_user_attr(t._trial_id, "failure", "interrupted")
+                study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # shared study: its heartbeat ran out and another host failed it first
             if self.shared:
-                try:
-                    study._storage.set_trial_user_attr(t._trial_id, "failure", "interrupted")
-                    study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-                except optuna.exceptions.UpdateFinishedTrialError:
-                    continue  # its heartbeat ran out and another host failed it first
                 RequeueOnce()(study, study._storage.get_trial(t._trial_id))
                 log(f"trial {t.number} of worker pid {a.get('tuner_pid')} was interrupted; "
                     "its config is queued again (once)")
                 continue
-            study._storage.set_trial_user_attr(t._trial_id, "failure", "interrupted")
-            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             if t.params:
                 study.enqueue_trial(t.params, user_attrs={k: v for k, v in a.items()
                                                           if k == "baseline"})
@@ -706,8 +708,7 @@ class Tuner:
     def fail_stale_trials(self, study: optuna.Study) -> None:
         """Fail (and queue again once) trials of workers elsewhere whose heartbeat went silent."""
         if self.shared:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            with quiet_experimental():
                 optuna.storages.fail_stale_trials(study)
 
     def observe(self, t: FrozenTrial) -> None:
