@@ -127,6 +127,19 @@ class FakeCurveDevice(FakeDevice):
 GIB = 2**30
 
 
+class RecordingTrial:
+    """What record_outcome writes to: an Optuna trial's user attrs and constraints, kept in dicts."""
+
+    def __init__(self):
+        self.attrs, self.constraints = {}, {}
+
+    def set_user_attr(self, k, v):
+        self.attrs[k] = v
+
+    def set_constraint(self, k, v):
+        self.constraints[k] = v
+
+
 @dataclass
 class FakeGpu:
     """One GPU as a fake NVML shows it; tests move `used` and `processes` while a sampler runs."""

@@ -9,6 +9,8 @@ from tuner.config import parse_study
 from tuner.errors import ConfigError
 from tuner.records import Requirement, Workload
 
+from fakes import RecordingTrial
+
 BASE = {"model": {"path": "preset:tiny"},
         "space": {"gpu_memory_utilization": {"low": 0.5, "high": 0.9},
                   "max_model_len": {"choices": [2048, 4096, 16384, 32768]},
@@ -67,17 +69,6 @@ def test_a_bad_mix_names_its_key():
         study(workload={"length_mix": "normal", "prompt_tokens_mix": [100]})
 
 
-class _Trial:
-    def __init__(self):
-        self.attrs, self.constraints = {}, {}
-
-    def set_user_attr(self, k, v):
-        self.attrs[k] = v
-
-    def set_constraint(self, k, v):
-        self.constraints[k] = v
-
-
 def test_a_kv_cache_short_of_the_required_sequences_violates_the_requirement():
     from tuner.records import Capacity, LaunchFailure, LoadMetrics, TrialOutcome
     from tuner.space import ServerParams
@@ -85,12 +76,12 @@ def test_a_kv_cache_short_of_the_required_sequences_violates_the_requirement():
 
     cfg = study(requirement={"context_tokens": 16384, "sequences_at_context": 4})
     m = LoadMetrics(single_stream_tok_s=50.0, throughput_tok_s=900.0, ttft_ms=80.0)
-    t = _Trial()
+    t = RecordingTrial()
     record_outcome(t, cfg, TrialOutcome(ServerParams(0.9, 16384, 8), capacity=Capacity(kv_cache_tokens=40000),
                                         metrics=m), {}, (0.0, 0.0, 1e5))
     assert t.attrs["sequences_at_context"] == 2 and t.attrs["failure"] == "requirement_not_met"
     assert t.constraints["requirement"] > 0
-    t = _Trial()
+    t = RecordingTrial()
     died = LaunchFailure(kind="oom", message="torch.OutOfMemoryError: CUDA out of memory")
     values = record_outcome(t, cfg, TrialOutcome(ServerParams(0.9, 16384, 8), capacity=Capacity(kv_cache_tokens=90000),
                                                  metrics=m, server_exit_code=1, died_under_load=died),

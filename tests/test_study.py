@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from optuna.trial import TrialState
 
-from fakes import FAKE_PLATFORM, FakeDevice, fake_config
+from fakes import FAKE_PLATFORM, FakeDevice, RecordingTrial, fake_config
 from tuner import export, report
 from tuner.study import Platform, Tuner, load_existing
 
@@ -320,19 +320,6 @@ def test_a_server_left_by_a_killed_replicate_launch_is_stopped_by_the_next_run(t
 H200 = Platform("cuda", "NVIDIA H200", 141 * 2**30, 4800.0, ("true",), "0.0-fake", pcie_gbps=63.0)
 
 
-class _Trial:
-    """What record_outcome writes to: an Optuna trial's user attrs and constraints."""
-
-    def __init__(self):
-        self.attrs, self.constraints = {}, {}
-
-    def set_user_attr(self, k, v):
-        self.attrs[k] = v
-
-    def set_constraint(self, k, v):
-        self.constraints[k] = v
-
-
 @pytest.fixture(scope="module")
 def llama8b(tmp_path_factory):
     from tuner.feasibility import model_shape
@@ -354,7 +341,7 @@ def _measured(single_stream: float, **params) -> "TrialOutcome":
 def _record(cfg, platform, shape, outcome):
     from tuner.study import offload_figures, record_outcome
 
-    t = _Trial()
+    t = RecordingTrial()
     values = record_outcome(t, cfg, outcome, offload_figures(cfg, platform, shape, outcome),
                             (0.0, 0.0, 1e5))
     return t, values
