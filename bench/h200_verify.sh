@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine (vLLM bundle installed): relaunch a study's exported command with plain
 # `vllm serve` and measure it with `vllm bench serve` at the study's load levels (issue 12, 7c).
-#   bash bench/h200_verify.sh STUDY [TAG]  e.g. bash bench/h200_verify.sh h200-levels; writes $OUT/verify[-TAG].txt
+#   bash bench/h200_verify.sh STUDY [TAG [SCALE]]  (SCALE x each level's requests) e.g. bash bench/h200_verify.sh h200-levels; writes $OUT/verify[-TAG].txt
 set -u
-study=$1 out="$OUT/verify${2:+-$2}.txt"
+study=$1 out="$OUT/verify${2:+-$2}.txt" scale=${3:-1}
 . /tmp/vllm-env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -23,5 +23,6 @@ done
 echo "ready after $(( $(date +%s) - t0 )) s" | tee -a "$out"
 model=$(python3 -c "import shlex,sys; a=shlex.split(sys.argv[1]); print(a[a.index('serve')+1])" "$cmd")
 python3 bench/verify_export.py --study "studies/$study.toml" --base-url "http://127.0.0.1:$port" \
-    --model "$model" 2>&1 | tee -a "$out"
+    --model "$model" --scale "$scale" 2>&1 | tee -a "$out"
 grep -E "torch.compile took|Compiling a graph|Directly load|init engine" /tmp/verify-server.log | cut -c1-200 >> "$out"
+grep -v 'POST /v1' /tmp/verify-server.log > "$OUT/server${2:+-$2}.log"

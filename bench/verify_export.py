@@ -74,6 +74,8 @@ def main() -> int:
     ap.add_argument("--study", required=True)
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--model", required=True)
+    ap.add_argument("--scale", type=int, default=1,
+                    help="send SCALE times each level's request count (longer phases)")
     args = ap.parse_args()
     cfg = load_study(args.study)
     study = load_existing(cfg)
@@ -91,14 +93,14 @@ def main() -> int:
         for lv in load_plan(cfg.workload):
             if lv.request_rate is not None:
                 continue
-            got = vllm_bench(args.base_url, args.model, cfg.workload, lv.concurrency, lv.requests,
-                             Path(tmp))
+            got = vllm_bench(args.base_url, args.model, cfg.workload, lv.concurrency,
+                             lv.requests * args.scale, Path(tmp))
             ours = claimed.get(lv.name, [])
             steady = mean([x.get("throughput_tok_s") for x in ours])
             wall = mean([x.get("throughput_tok_s_wall") for x in ours])
             ttft = mean([x.get("ttft_ms") for x in ours])
             thr, their_ttft = got["output_throughput"], got["median_ttft_ms"]
-            print(f"{lv.name} | {lv.requests} | {steady:.0f} / {wall:.0f} | {thr:.0f} | "
+            print(f"{lv.name} | {lv.requests * args.scale} | {steady:.0f} / {wall:.0f} | {thr:.0f} | "
                   f"{wall / thr:.3f} | {ttft:.1f} | {their_ttft:.1f} | {ttft / their_ttft:.3f}",
                   flush=True)
     return 0
