@@ -18,8 +18,8 @@ for step in "$@"; do
     case $step in
         wipe) rm -rf ~/.cache/vllm/torch_compile_cache; echo "== compile cache wiped" ;;
         debug) debug=DEBUG ;;
-        *) VLLM_LOGGING_LEVEL=${debug:-INFO} timeout -k 10 170 \
-               bash bench/h200_verify.sh h200-levels "$step" "$scale" > /dev/null 2>&1
+        *) VLLM_LOGGING_LEVEL=${debug:-INFO} timeout -k 10 "${STEP_S:-280}" \
+               bash bench/h200_verify.sh h200-levels "$step" "$scale" "${REPEAT:-1}" > /dev/null 2>&1
            echo "== $step (after $(( $(date +%s) - t0 )) s)"; cat "$OUT/verify-$step.txt"; debug="" ;;
     esac
 done

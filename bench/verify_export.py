@@ -58,13 +58,16 @@ def mean(values):
     return sum(values) / len(values) if values else None
 
 
-def vllm_bench(base_url: str, model: str, w, concurrency: int, requests: int, out: Path) -> dict:
-    name = f"c{concurrency}.json"
+def vllm_bench(base_url: str, model: str, w, concurrency: int, requests: int, out: Path,
+               seed: int) -> dict:
+    # vLLM's random dataset draws the same prompts for the same seed: one seed per run, or every
+    # level would reuse the warm-up's and the levels' before it (prefix cache hits up to 87.5 %)
+    name = f"c{concurrency}-{seed}.json"
     argv = [sys.executable, "-c", VLLM_BENCH, "--backend", "vllm", "--base-url", base_url,
             "--model", model, "--dataset-name", "random", "--random-input-len", str(w.prompt_tokens),
             "--random-output-len", str(w.output_tokens), "--num-prompts", str(requests),
             "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
-            "--disable-tqdm", "--save-result", "--result-dir", str(out), "--result-filename", name]
+            "--seed", str(seed), "--disable-tqdm", "--save-result", "--result-dir", str(out), "--result-filename", name]
     subprocess.run(argv, check=True, capture_output=True, text=True)
     return json.loads((out / name).read_text())
 
@@ -74,6 +77,7 @@ def main() -> int:
     ap.add_argument("--study", required=True)
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--model", required=True)
+    ap.add_argument("--seed", type=int, default=1000, help="first of the seeds used, one per level")
     ap.add_argument("--scale", type=int, default=1,
                     help="send SCALE times each level's request count (longer phases)")
     args = ap.parse_args()
@@ -89,12 +93,12 @@ def main() -> int:
           "study TTFT p50 ms | vllm bench TTFT p50 ms | ratio")
     with tempfile.TemporaryDirectory() as tmp:
         # one discarded run first, as the study's warm-up
-        vllm_bench(args.base_url, args.model, cfg.workload, 8, 16, Path(tmp))
-        for lv in load_plan(cfg.workload):
+        vllm_bench(args.base_url, args.model, cfg.workload, 8, 16, Path(tmp), args.seed)
+        for k, lv in enumerate(load_plan(cfg.workload), start=1):
             if lv.request_rate is not None:
                 continue
             got = vllm_bench(args.base_url, args.model, cfg.workload, lv.concurrency,
-                             lv.requests * args.scale, Path(tmp))
+                             lv.requests * args.scale, Path(tmp), args.seed + k)
             ours = claimed.get(lv.name, [])
             steady = mean([x.get("throughput_tok_s") for x in ours])
             wall = mean([x.get("throughput_tok_s_wall") for x in ours])
