@@ -15,7 +15,8 @@ from optuna.trial import TrialState
 
 import faultkit as fk
 import postgres
-from tuner import parallel
+from fakes import FakeGpu, FakeNvml
+from tuner import cli, gpu, parallel
 from tuner.study import DIRECTIONS, RequeueOnce
 
 SAME = {"gpu_memory_utilization": 0.5, "max_model_len": 1024, "max_num_seqs": 2}
@@ -37,6 +38,128 @@ def test_worker_argv_drops_the_supervisors_own_options():
     argv = ["run", "--trials", "4", "--parallel", "2", "--gpus=0,1", "--first-worker", "2", "--quiet"]
     assert parallel.worker_argv(argv, 3, range(20200, 20400)) == [
         "run", "--trials", "4", "--quiet", "--worker", "3", "--ports", "20200-20399", "--quiet"]
+
+
+# ---------------------------------------------------------------- --gpus refusals
+
+
+@pytest.fixture
+def fresh_nvml():
+    gpu.reset_nvml()
+    yield
+    gpu.reset_nvml()
+
+
+def four_gpus(monkeypatch) -> FakeNvml:
+    return FakeNvml(monkeypatch, *[FakeGpu(uuid=f"GPU-{i}{i}{i}{i}-beef") for i in range(4)])
+
+
+def refused_run(tmp_path, model, monkeypatch, capsys, *args: str, env: dict | None = None) -> str:
+    """`run ARGS` in this process: exit code 2, one line on stderr, nothing written or launched."""
+    doc = fk.fake_engine_study(model, name="gpus", env=env)
+    study_file = fk.write_study(tmp_path, doc)
+    monkeypatch.setattr(cli.signal, "signal", lambda *a: None)   # pytest keeps its own handlers
+    code = cli.main(["run", "--study", str(study_file), "--trials", "2", "--results",
+                     str(tmp_path / "results"), "--storage", f"sqlite:///{tmp_path}/db/s.db", *args])
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("model ")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("tuner: error: --"), err
+    assert out == ""
+    assert not (tmp_path / "results").exists() and not (tmp_path / "db").exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize("gpus,words", [
+    ("", ["--gpus ''", "distinct GPUs separated by commas"]),
+    ("0,,1", ["distinct GPUs"]),
+    ("1,1", ["distinct GPUs"]),
+    ("1,GPU-1111", ["'1' and 'GPU-1111' are the same GPU", "one worker per GPU"]),
+    ("0,7", ["'7' is not an NVML index (NVML sees 4 GPUs)", "0 (NVIDIA H100 80GB HBM3)"]),
+    ("0,GPU-9999", ["'GPU-9999' matches no device NVML sees"]),
+    ("0,nvidia1", ["'nvidia1' is neither an index nor a GPU-/MIG- UUID"]),
+])
+def test_gpus_that_are_not_this_hosts_are_refused(tmp_path, model, monkeypatch, capsys, fresh_nvml,
+                                                   gpus, words):
+    four_gpus(monkeypatch)
+    line = refused_run(tmp_path, model, monkeypatch, capsys, "--gpus", gpus)
+    for w in words:
+        assert w in line, line
+
+
+def test_gpus_on_a_host_without_gpus_are_refused(tmp_path, model, monkeypatch, capsys, fresh_nvml):
+    fake = four_gpus(monkeypatch)
+    fake.devices = []
+    line = refused_run(tmp_path, model, monkeypatch, capsys, "--gpus", "0,1")
+    assert "NVML sees no GPU on this host" in line and "--parallel N" in line
+
+
+def test_gpus_disagreeing_with_parallel_or_the_study_env_are_refused(tmp_path, model, monkeypatch,
+                                                                      capsys, fresh_nvml):
+    four_gpus(monkeypatch)
+    line = refused_run(tmp_path, model, monkeypatch, capsys, "--gpus", "0,1", "--parallel", "3")
+    assert "--parallel 3 with 2 GPUs" in line
+    line = refused_run(tmp_path, model, monkeypatch, capsys, "--gpus", "0,1",
+                       env={"CUDA_VISIBLE_DEVICES": "2"})
+    assert "both choose the GPU" in line
+
+
+def test_gpus_refused_by_the_real_command_on_this_host(tmp_path, model):
+    """Through `python -m tuner` with this host's own NVML (none here: no NVIDIA driver)."""
+    if gpu.all_gpus():
+        pytest.skip("this host has GPUs: the fake-NVML tests above cover the refusals")
+    study_file = fk.write_study(tmp_path, fk.fake_engine_study(model, name="gpus"))
+    p = subprocess.run([sys.executable, "-m", "tuner", "run", "--study", str(study_file),
+                        "--trials", "2", "--gpus", "0,1", "--results", str(tmp_path / "results"),
+                        "--storage", f"sqlite:///{tmp_path}/db/s.db"], cwd=fk.REPO,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(fk.REPO)})
+    lines = [ln for ln in p.stderr.strip().splitlines() if not ln.startswith("model ")]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("tuner: error: --gpus 0,1: NVML sees no GPU on this host")
+    assert not (tmp_path / "results").exists() and not (tmp_path / "db").exists()
+
+
+# ---------------------------------------------------------------- the workers' lines
+
+
+def test_slot_labels():
+    assert parallel.slot_label(0, None) == "[w0] "
+    assert parallel.slot_label(1, "1") == "[w1 gpu1] "
+    assert parallel.slot_label(5, "GPU-1234567890abcdef") == "[w5 gpuGPU-12345678…] "
+
+
+def test_every_line_of_a_worker_comes_out_behind_its_label(tmp_path):
+    """A real child's stdout and stderr through the pipe `run --parallel` gives each worker:
+    every line labelled, whole (two writers never mix within a line), the last one without its
+    newline too."""
+    import io
+    import threading
+
+    script = ("import sys\n"
+              "for i in range(200):\n"
+              "    print(f'trial {i}: out', flush=True)\n"
+              "    print(f'trial {i}: err', file=sys.stderr, flush=True)\n"
+              "sys.stderr.write('Traceback: the end, no newline')\n")
+    out, lock = io.StringIO(), threading.Lock()
+    readers = []
+    for index in (0, 1):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace")
+        t = threading.Thread(target=parallel.forward_lines,
+                             args=(proc.stdout, parallel.slot_label(index, str(index)), out, lock))
+        t.start()
+        readers.append((proc, t))
+    for proc, t in readers:
+        proc.wait(60)
+        t.join(60)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 * 401
+    for index in (0, 1):
+        mine = [ln for ln in lines if ln.startswith(f"[w{index} gpu{index}] ")]
+        assert len(mine) == 401
+        body = [ln[len(f"[w{index} gpu{index}] "):] for ln in mine]
+        assert body[-1] == "Traceback: the end, no newline"
+        assert sorted(body[:-1]) == sorted(f"trial {i}: {s}" for i in range(200) for s in ("out", "err"))
 
 
 def test_requeue_once_keeps_the_params_and_baseline_not_the_dead_workers_marks(tmp_path):
@@ -120,6 +243,13 @@ def test_two_workers_share_the_budget_and_a_killed_ones_trial_is_finished_by_the
     assert first.user_attrs.get("launch_at") and second.user_attrs["failure"] == "duplicate"
     assert second.user_attrs["duplicate_of"] == first.number and second.values == first.values
     assert "is measuring this config; waiting for it" in log
+    # every line a worker printed is behind its slot's label; both workers printed
+    worker_lines = [ln for ln in log.splitlines()
+                    if "[trial " in ln or "is measuring this config" in ln or ln.lstrip().startswith("trial ")
+                    and (": single-stream" in ln or ": duplicate" in ln)]
+    assert worker_lines and all(ln.startswith(("[w0] ", "[w1] ")) for ln in worker_lines), worker_lines
+    assert {ln[:5] for ln in worker_lines} == {"[w0] ", "[w1] "}
+    assert [ln for ln in log.splitlines() if ln.startswith("[w0] [trial ")]
     # no config measured twice at once: launches of one config never overlap in time
     spans = sorted((tuple(sorted(t.params.items())), t.user_attrs["launch_at"],
                     t.datetime_complete.timestamp()) for t in launches)
