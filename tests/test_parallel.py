@@ -15,9 +15,10 @@ from optuna.trial import TrialState
 
 import faultkit as fk
 import postgres
-from fakes import FakeGpu, FakeNvml
-from tuner import cli, gpu, parallel
-from tuner.study import DIRECTIONS, RequeueOnce
+from fakes import FAKE_PLATFORM, FakeDevice, FakeGpu, FakeNvml, fake_config
+from tuner import cli, gpu, parallel, space
+from tuner import study as study_module
+from tuner.study import CONSTRAINTS, DIRECTIONS, RequeueOnce, Tuner, make_sampler
 
 SAME = {"gpu_memory_utilization": 0.5, "max_model_len": 1024, "max_num_seqs": 2}
 TRIALS = 5
@@ -160,6 +161,90 @@ def test_every_line_of_a_worker_comes_out_behind_its_label(tmp_path):
         body = [ln[len(f"[w{index} gpu{index}] "):] for ln in mine]
         assert body[-1] == "Traceback: the end, no newline"
         assert sorted(body[:-1]) == sorted(f"trial {i}: {s}" for i in range(200) for s in ("out", "err"))
+
+
+# ---------------------------------------------------------------- the shared study, in this process
+
+
+def test_grid_workers_share_one_grid_order_and_pick_on_their_own(tmp_path):
+    """GridSampler's seed shuffles the grid and its ids number that order; workers on one study
+    read each other's ids, so with seed + k each would take the others' ids for other configs."""
+    cfg = fake_config(tmp_path, sampler="grid", seed=3)
+    samplers = [make_sampler(cfg, worker=k) for k in range(3)]
+    assert samplers[0]._all_grids == samplers[1]._all_grids == samplers[2]._all_grids
+    picks = [s._rng.rng.randint(10**9) for s in samplers]
+    assert len(set(picks)) == 3
+
+
+def measured_twice(tmp_path):
+    """A shared study of `fake_config` with one config queued twice: the first trial asked (not
+    yet claimed), and the second, measured (by another worker, say) in the meantime."""
+    cfg = fake_config(tmp_path)
+    tuner = Tuner(cfg, measure=FakeDevice(), platform=FAKE_PLATFORM, progress=False, worker=1)
+    study = optuna.create_study(study_name=cfg.name, storage=tuner.storage,
+                                directions=list(DIRECTIONS))
+    config = {d.name: d.grid()[1] for d in cfg.dimensions}
+    study.enqueue_trial(config)
+    study.enqueue_trial(config, skip_if_exists=False)
+    asked, other = study.ask(), study.ask()
+    space.suggest(asked, cfg.dimensions)
+    space.suggest(other, cfg.dimensions)
+    for key in CONSTRAINTS:
+        other.set_constraint(key, 0.0)
+    other.set_user_attr("failure", "")
+    study.tell(other, [100.0, 900.0, 50.0])
+    return tuner, study, asked, other
+
+
+def test_a_claim_tells_the_figures_of_a_config_measured_since_it_was_asked(tmp_path):
+    """The race the replay bench found: worker B asks config X while A measures it, A finishes
+    before B claims; B must not launch X again."""
+    tuner, study, asked, other = measured_twice(tmp_path)
+    assert tuner.claim(study, asked, n_target=10) == "duplicate"
+    told = study.trials[asked.number]
+    assert told.user_attrs["failure"] == "duplicate"
+    assert told.user_attrs["duplicate_of"] == other.number and told.values == [100.0, 900.0, 50.0]
+
+
+@pytest.mark.timeout(120)
+def test_a_trial_whose_heart_stopped_on_another_host_is_failed_and_finished_here(tmp_path,
+                                                                                 monkeypatch):
+    """The cross-host path, in this process: a trial of a worker on another host (its pid cannot
+    be checked from here) that beat once and went silent. This worker's stale check fails it after
+    the grace period (Optuna's fail_stale_trials, shortened to 2 s here), queues it again once
+    (RequeueOnce), and measures the retry; the budget is met exactly."""
+    monkeypatch.setattr(study_module, "HEARTBEAT_INTERVAL_S", 1)
+    monkeypatch.setattr(study_module, "HEARTBEAT_GRACE_S", 2)
+    monkeypatch.setattr(study_module, "WAIT_POLL_S", 0.1)
+    cfg = fake_config(tmp_path)
+    elsewhere = Tuner(cfg, measure=FakeDevice(), platform=FAKE_PLATFORM, progress=False, worker=0)
+    study = elsewhere.open()
+    silent = study.ask()
+    space.suggest(silent, cfg.dimensions)
+    for key, value in {"tuner_pid": 1, "tuner_host": "another-host", "tuner_worker": 0,
+                       "launching": True, "launch_at": time.time(), "server_pgid": 4343}.items():
+        silent.set_user_attr(key, value)
+    elsewhere.storage.record_heartbeat(silent._trial_id)   # one beat, then silence
+    started = time.monotonic()
+
+    device = FakeDevice()
+    here = Tuner(cfg, measure=device, platform=FAKE_PLATFORM, progress=False, worker=1,
+                 report_at_end=False)
+    here.run(3)
+    took = time.monotonic() - started
+    trials = optuna.load_study(study_name=cfg.name, storage=cfg.storage).trials
+    dead = trials[silent.number]
+    assert dead.state == TrialState.FAIL
+    retries = [t for t in trials if t.system_attrs.get("failed_trial") == silent.number]
+    assert len(retries) == 1
+    retry = retries[0]
+    assert retry.state == TrialState.COMPLETE and retry.params == dead.params
+    assert retry.user_attrs["tuner_pid"] == os.getpid() and retry.user_attrs["tuner_worker"] == 1
+    assert retry.user_attrs.get("baseline") == dead.user_attrs.get("baseline")   # kept
+    assert space.params_from(retry.params) in device.launches
+    assert len(device.launches) == 3 and here.launched_count(study) == 3
+    assert not [t.number for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    assert took >= 2.0   # not before its grace ran out
 
 
 def test_requeue_once_keeps_the_params_and_baseline_not_the_dead_workers_marks(tmp_path):
