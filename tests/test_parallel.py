@@ -206,6 +206,22 @@ def test_a_claim_tells_the_figures_of_a_config_measured_since_it_was_asked(tmp_p
     assert told.user_attrs["duplicate_of"] == other.number and told.values == [100.0, 900.0, 50.0]
 
 
+def test_a_queued_config_asked_once_the_budget_is_spent_is_queued_again(tmp_path):
+    """A worker that asked a queued config (a baseline, a retry) while the others' launches spent
+    the budget ends its trial unlaunched, and the config waits in the queue for a larger budget."""
+    tuner, study, asked, other = measured_twice(tmp_path)
+    study.enqueue_trial({**asked.params, "max_num_seqs": 64}, user_attrs={"baseline": "hand-tuned"})
+    late = study.ask()
+    space.suggest(late, tuner.cfg.dimensions)
+    assert tuner.claim(study, late, n_target=1) == "budget_spent"
+    trials = study.get_trials(deepcopy=False)
+    assert trials[late.number].state == TrialState.FAIL
+    assert trials[late.number].user_attrs["failure"] == "budget_spent"
+    again = [t for t in trials if t.state == TrialState.WAITING]
+    assert len(again) == 1 and again[0].system_attrs["fixed_params"] == trials[late.number].params
+    assert again[0].user_attrs == {"baseline": "hand-tuned"}
+
+
 @pytest.mark.timeout(120)
 def test_a_trial_whose_heart_stopped_on_another_host_is_failed_and_finished_here(tmp_path,
                                                                                  monkeypatch):

@@ -821,7 +821,8 @@ class Tuner:
         a queued config (a baseline, a retry) again for a later run with a larger budget."""
         trial.set_user_attr("failure", "budget_spent")
         study.tell(trial, state=TrialState.FAIL)
-        if trial.system_attrs.get("fixed_params"):
+        # an asked Trial has no system_attrs in Optuna 5: the storage has them
+        if study._storage.get_trial_system_attrs(trial._trial_id).get("fixed_params"):
             study.enqueue_trial(trial.params, user_attrs={
                 k: v for k, v in trial.user_attrs.items() if k.startswith("baseline")})
         return "budget_spent"
