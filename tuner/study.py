@@ -828,7 +828,9 @@ class Tuner:
         return "budget_spent"
 
     def run_trial(self, study: optuna.Study, n_target: int, started: float) -> str:
-        with warnings.catch_warnings():   # "heartbeat ... with Study.optimize": beaten here, below
+        # under the study lock: on SQLite two workers can pop the same queued trial at once
+        # (Optuna's row lock is a no-op there), then both launch it and one tell fails
+        with self.lock(), warnings.catch_warnings():   # "heartbeat ... with Study.optimize": beaten below
             warnings.filterwarnings("ignore", message="Heartbeat of storage")
             trial = study.ask()
         # the pid before the host: a trial with a host and no pid would look like a dead tuner's
