@@ -25,6 +25,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_serving(proc: subprocess.Popen, url: str, timeout_s: float, what: str,
+                       log: Path, poll_s: float = 0.5) -> None:
+    """Poll `url` until it answers 200 while watching `proc`: the test fails at once, with the
+    tail of `log`, when the process exits first, and after `timeout_s` when it never answers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not answer {url} in {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
 @pytest.fixture(autouse=True)
 def _engine_in_use_is_vllm():
     """Each test starts with vLLM as the engine in use (a llama.cpp study or test switches it)."""
@@ -52,19 +72,7 @@ def real_vllm(model: str, log: Path, *extra: str, max_model_len: int = 1024):
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("vLLM did not become ready in 600 s")
-            time.sleep(0.5)
+        wait_until_serving(proc, base_url + "/health", 600, "vLLM", log)
         yield base_url
     finally:
         try:

@@ -400,3 +400,33 @@ def test_a_vllm_flag_in_a_llamacpp_space_is_refused(tmp_path, model):
     p = run_cli(tmp_path, fk.to_toml(doc))
     # the fake study searches gpu_memory_utilization, which llama.cpp has no counterpart for
     assert_refused(tmp_path, p, "space.gpu_memory_utilization", "not a tunable flag", "ctx_size")
+
+
+# ---------------------------------------------------------------- a study that is not there
+
+
+@pytest.mark.parametrize("command", [["show"], ["export"], ["report"], ["export", "--json"]])
+def test_reading_a_study_that_does_not_exist_creates_no_database(tmp_path, model, command):
+    study = tmp_path / "study.toml"
+    study.write_text(fk.to_toml(good_doc(tmp_path, model)))
+    p = subprocess.run([sys.executable, "-m", "tuner", *command, "--study", str(study),
+                        "--storage", f"sqlite:///{tmp_path}/db/bad.db",
+                        "--results", str(tmp_path / "results")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(fk.REPO)})
+    line = assert_refused(tmp_path, p, "no study 'bad'", "run `python -m tuner run` first")
+    assert "(no such file)" in line
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["engine.py", "study.toml"]
+
+
+def test_compare_with_a_study_not_in_its_storage_creates_no_database(tmp_path, model):
+    doc = good_doc(tmp_path, model)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.toml").write_text(fk.to_toml(with_(
+            doc, "study", name=name, storage=f"sqlite:///{tmp_path}/db/{name}.db")))
+    p = subprocess.run([sys.executable, "-m", "tuner", "compare", "--study", str(tmp_path / "a.toml"),
+                        "--study", str(tmp_path / "b.toml"), "--out", str(tmp_path / "results")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(fk.REPO)})
+    assert_refused(tmp_path, p, "no study 'a'")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["a.toml", "b.toml", "engine.py"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from conftest import free_port
+from conftest import free_port, wait_until_serving
 from faultkit import patience
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,19 +51,8 @@ def dashboard(tmp_path):
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + patience(60)
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"optuna-dashboard exited with {proc.returncode}: "
-                            f"{(tmp_path / 'dashboard.log').read_text()[-2000:]}")
-            try:
-                if get(base + "/api/studies", 2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("optuna-dashboard did not answer")
-            time.sleep(0.3)
+        wait_until_serving(proc, base + "/api/studies", patience(60), "optuna-dashboard",
+                           tmp_path / "dashboard.log", poll_s=0.3)
         yield base, db
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from typing import TextIO
 
 from tuner import progress
 from tuner.config import StudyConfig
@@ -24,12 +26,53 @@ def log(message: str) -> None:
 
 def parse_gpus(text: str | None) -> list[str]:
     """`--gpus 0,1` (NVML indices or GPU-/MIG- UUIDs, as CUDA_VISIBLE_DEVICES takes them)."""
-    if not text:
+    if text is None:
         return []
     slots = [g.strip() for g in text.split(",")]
     if any(not g for g in slots) or len(set(slots)) != len(slots):
         raise TunerError(f"--gpus {text!r}: give distinct GPUs separated by commas, e.g. --gpus 0,1")
     return slots
+
+
+def check_gpus(slots: list[str]) -> None:
+    """Each --gpus entry names one device NVML sees on this host, and no two the same device: a
+    worker whose CUDA_VISIBLE_DEVICES named nothing would run vLLM's CPU build, or fail late."""
+    from tuner import gpu
+
+    every = gpu.all_gpus()
+    text = ",".join(slots)
+    if not every:
+        raise TunerError(f"--gpus {text}: NVML sees no GPU on this host (no NVIDIA driver, or "
+                         "pynvml missing): use --parallel N for workers without a GPU each")
+    known = ", ".join(f"{g.index} ({g.name})" for g in every)
+    taken: dict[tuple, str] = {}
+    for slot in slots:
+        v = gpu.visibility({"CUDA_VISIBLE_DEVICES": slot})
+        if len(v.devices) != 1:
+            why = v.note.removeprefix(f"CUDA_VISIBLE_DEVICES entry {slot!r} ").split(":")[0]
+            raise TunerError(f"--gpus {text}: {slot!r} {why or 'names no GPU'}; this host's GPUs "
+                             f"are {known}")
+        d = v.devices[0]
+        if (d.index, d.mig_index) in taken:
+            raise TunerError(f"--gpus {text}: {taken[d.index, d.mig_index]!r} and {slot!r} are the "
+                             f"same GPU ({d.label}): one worker per GPU")
+        taken[d.index, d.mig_index] = slot
+
+
+def slot_label(index: int, gpu: str | None) -> str:
+    """How a worker's lines are told apart on the supervisor's stderr: `[w1 gpu1] `, `[w0] `."""
+    if gpu is None:
+        return f"[w{index}] "
+    return f"[w{index} gpu{gpu if len(gpu) <= 12 else gpu[:12] + '…'}] "
+
+
+def forward_lines(stream: TextIO, label: str, out: TextIO, lock: threading.Lock) -> None:
+    """Copy a worker's output to `out` line by line, each line behind its slot's label."""
+    for line in iter(stream.readline, ""):
+        with lock:
+            out.write(label + line if line.endswith("\n") else label + line + "\n")
+            out.flush()
+    stream.close()
 
 
 def worker_argv(argv: list[str], index: int, ports: range) -> list[str]:
@@ -66,20 +109,31 @@ def run(cfg: StudyConfig, argv: list[str], n_workers: int, n_trials: int, gpus: 
                          "GPU: drop one")
     if gpus and len(gpus) != n_workers:
         raise TunerError(f"--parallel {n_workers} with {len(gpus)} GPUs (--gpus): one worker per GPU")
+    if gpus:
+        check_gpus(gpus)
     tuner = Tuner(cfg, progress=False, worker=first_worker)
     study = tuner.open()
     workers: dict[int, subprocess.Popen] = {}
+    readers: list[threading.Thread] = []
+    out_lock = threading.Lock()
     for slot in range(n_workers):
         env = dict(os.environ)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[slot]
         ports = worker_ports(slot)
         cmd = [sys.executable, "-m", "tuner", *worker_argv(argv, first_worker + slot, ports)]
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        # its stdout and stderr come through here, so each line can say which worker wrote it
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace")
         workers[proc.pid] = proc
+        label = slot_label(first_worker + slot, gpus[slot] if gpus else None)
+        reader = threading.Thread(target=forward_lines, args=(proc.stdout, label, sys.stderr, out_lock),
+                                  daemon=True, name=f"worker-{first_worker + slot}-lines")
+        reader.start()
+        readers.append(reader)
         log(f"worker {first_worker + slot}: pid {proc.pid}"
             + (f", CUDA_VISIBLE_DEVICES={gpus[slot]}" if gpus else "")
-            + f", ports {ports.start}-{ports.stop - 1}")
+            + f", ports {ports.start}-{ports.stop - 1}; its lines start {label.strip()}")
     codes: dict[int, int] = {}
     try:
         while len(codes) < len(workers):
@@ -93,6 +147,8 @@ def run(cfg: StudyConfig, argv: list[str], n_workers: int, n_trials: int, gpus: 
                     log(f"worker pid {pid} ended ({how}): stopping its server, queueing its trial again")
                     tuner.recover_interrupted(study)
             time.sleep(0.2)
+        for reader in readers:   # a worker's last lines (its error, say) before the summary
+            reader.join(timeout=10)
     except KeyboardInterrupt:
         # Ctrl-C at a terminal reached the workers too; a SIGTERM to this process is passed on
         for pid, proc in workers.items():
@@ -100,6 +156,8 @@ def run(cfg: StudyConfig, argv: list[str], n_workers: int, n_trials: int, gpus: 
                 proc.send_signal(signal.SIGTERM)
         for proc in workers.values():
             proc.wait()
+        for reader in readers:
+            reader.join(timeout=10)
         tuner.recover_interrupted(study)
         report.write_all(study, cfg)
         raise

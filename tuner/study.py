@@ -237,6 +237,10 @@ class Heartbeat:
 
 
 def load_existing(cfg: StudyConfig) -> optuna.Study:
+    db = cfg.storage[len("sqlite:///"):].split("?")[0] if cfg.storage.startswith("sqlite:///") else ""
+    if db and db != ":memory:" and not Path(db).exists():   # opening it would create an empty one
+        raise TunerError(f"no study {cfg.name!r} in {cfg.storage} (no such file): run "
+                         "`python -m tuner run` first")
     storage = open_storage(cfg.storage)
     try:
         return optuna.load_study(study_name=cfg.name, storage=storage)
@@ -272,13 +276,20 @@ def make_sampler(cfg: StudyConfig, name: str | None = None, worker: int = 0
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
         grid = {d.name: d.grid() for d in cfg.dimensions}
-        return _AskTellGridSampler(grid, seed=seed)
+        # the seed shuffles the grid, and workers share its ids: one order for all, own picks
+        return _AskTellGridSampler(grid, seed=cfg.seed, pick_seed=seed)
     raise TunerError(f"unknown sampler {name!r}")
 
 
 class _AskTellGridSampler(optuna.samplers.GridSampler):
     """GridSampler stops the study when the grid is done, which only works inside optimize();
-    with ask/tell an exhausted grid shows up as repeated configs, which the run loop stops on."""
+    with ask/tell an exhausted grid shows up as repeated configs, which the run loop stops on.
+    `pick_seed` (worker k of a shared study) draws among the unvisited grid points on its own."""
+
+    def __init__(self, search_space, seed: int | None = None, pick_seed: int | None = None):
+        super().__init__(search_space, seed=seed)
+        if pick_seed is not None and pick_seed != seed:
+            self._rng.rng.seed(pick_seed)
 
     def after_trial(self, study, trial, state, values) -> None:
         pass
@@ -785,6 +796,9 @@ class Tuner:
                 flying = self.in_flight(study, trials, but=trial.number)
                 same = next((t for t in flying if config_key(t.params, self.cfg.dimensions) == key),
                             None)
+                # measured by another worker since run_asked looked (it was in flight then)
+                if same is None and (measured := self.find_duplicate(study, trial)) is not None:
+                    return self.tell_duplicate(study, trial, measured)
                 launched = self.launched_count(study, trials)
                 if same is None and launched + len(flying) < n_target:
                     trial.set_user_attr("launching", True)
@@ -807,13 +821,16 @@ class Tuner:
         a queued config (a baseline, a retry) again for a later run with a larger budget."""
         trial.set_user_attr("failure", "budget_spent")
         study.tell(trial, state=TrialState.FAIL)
-        if trial.system_attrs.get("fixed_params"):
+        # an asked Trial has no system_attrs in Optuna 5: the storage has them
+        if study._storage.get_trial_system_attrs(trial._trial_id).get("fixed_params"):
             study.enqueue_trial(trial.params, user_attrs={
                 k: v for k, v in trial.user_attrs.items() if k.startswith("baseline")})
         return "budget_spent"
 
     def run_trial(self, study: optuna.Study, n_target: int, started: float) -> str:
-        with warnings.catch_warnings():   # "heartbeat ... with Study.optimize": beaten here, below
+        # under the study lock: on SQLite two workers can pop the same queued trial at once
+        # (Optuna's row lock is a no-op there), then both launch it and one tell fails
+        with self.lock(), warnings.catch_warnings():   # "heartbeat ... with Study.optimize": beaten below
             warnings.filterwarnings("ignore", message="Heartbeat of storage")
             trial = study.ask()
         # the pid before the host: a trial with a host and no pid would look like a dead tuner's
