@@ -1,4 +1,4 @@
-"""SGLang's server as an engine: its flag table, argv, readiness, failure texts, capacity facts and metric names.
+"""SGLang's server as an engine: its flag table, argv, readiness, failure texts, capacity and metric names.
 
 Written from SGLang 0.5.x's source (sgl-project/sglang: srt/server_args.py, srt/entrypoints/http_server.py,
 srt/managers/scheduler.py, srt/model_executor/model_runner.py, srt/metrics/collector.py) and tested on
@@ -60,9 +60,9 @@ SERVER_COUNTERS = (
 
 # srt/entrypoints/openai/serving_tokenize.py: /v1/tokenize takes `prompt` and `add_special_tokens`
 # and answers `tokens`, `count`, `max_model_len`; /v1/detokenize takes `tokens` and answers `text`.
-# No chat `messages`.
+# No chat `messages`; add_special_tokens is always sent (its default was not checked in the source).
 TOKENIZER_API = TokenizerApi(text_key="prompt", special_key="add_special_tokens", count_key="count",
-                             detokenized_key="text", chat_messages=False,
+                             detokenized_key="text", chat_messages=False, special_by_default=False,
                              tokenize_path="/v1/tokenize", detokenize_path="/v1/detokenize")
 
 _WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -168,7 +168,8 @@ class SGLang:
         return values.get("context_length")
 
     def fixed_output(self, output_tokens: int) -> dict:
-        """SGLang's sampling extensions on /v1/completions: min_tokens and ignore_eos."""
+        """SGLang's sampling extensions of CompletionRequest (entrypoints/openai/protocol.py):
+        min_tokens and ignore_eos."""
         return {"min_tokens": output_tokens, "ignore_eos": True}
 
     def env(self) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""SGLang's log: the failure texts that classify a launch, the capacity facts and launch phases of a ready server.
+"""SGLang's log: the failure texts that classify a launch, the capacity and launch phases of a ready server.
 
 Every pattern quotes a message of SGLang 0.5.x's own source (sgl-project/sglang, python/sglang/srt/):
     managers/scheduler.py         "max_total_num_tokens=N, chunked_prefill_size=N, max_prefill_tokens=N,
@@ -40,7 +40,8 @@ _FAILURES: tuple[tuple[str, re.Pattern[str]], ...] = (
                               r"does not appear to have a file named config\.json|"
                               r"Can't load the configuration of|"
                               r"Model architectures \[[^\]]*\] are not supported")),
-    ("port_in_use", re.compile(r"Address already in use|\[Errno 98\]|error while attempting to bind on address")),
+    ("port_in_use", re.compile(r"Address already in use|\[Errno 98\]|"
+                               r"error while attempting to bind on address")),
 )
 # Lines after which SGLang will not become ready though no pattern above names the cause.
 _FATAL_MARKERS = re.compile(r"Scheduler hit an exception|Received sigquit from a child process|"
