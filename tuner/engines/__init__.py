@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tuner.engines.base import Engine, Flag, flag_argv  # noqa: F401
 
-NAMES = ("vllm", "llamacpp")
+NAMES = ("vllm", "llamacpp", "sglang")
 DEFAULT = "vllm"
 
 # The engine of the study being run: a process tunes one study at a time, and the flag table it
@@ -26,6 +26,10 @@ def get(name: str | None = None) -> Engine:
         return ENGINE
     if name == "llamacpp":
         from tuner.engines.llamacpp import ENGINE
+
+        return ENGINE
+    if name == "sglang":
+        from tuner.engines.sglang import ENGINE
 
         return ENGINE
     raise UnknownEngine(name)
