@@ -272,3 +272,146 @@ def test_a_kv_failure_makes_the_same_length_certain_at_the_same_share(tiny):
                                       max_num_seqs=1)).fits
     assert model.predict(ServerParams(gpu_memory_utilization=0.05, max_model_len=8192,
                                       max_num_seqs=1)).fits
+
+
+# ---------------------------------------------------------------- the edge: explicit terms
+
+# vLLM 0.24 on an H200, Llama-3.2-3B shape, results/h200-16gb (gmu as launched: a share of the
+# H200's 140.4 GiB for a 16 GB budget). Trial 0: "(14.0 GiB KV cache is needed, which is larger
+# than the available KV cache memory (7.05 GiB) ... estimated maximum model length is 65952".
+# Trial 1 (0.1033 / 4096 / 8): ready, "Model loading took 6.04 GiB", "Available KV cache memory:
+# 7.35 GiB", 4302 blocks of 16, "Graph capturing finished in 1 secs, took 0.11 GiB".
+# Trial 4 (0.0876 / 8192 / 16): ready, 3018 blocks (48,288 tokens), graphs 0.12 GiB.
+H200_NVML = 150754820096
+T1 = ServerParams(gpu_memory_utilization=0.1033, max_model_len=4096, max_num_seqs=8)
+T1_READY = Capacity(weights_gib=6.04, kv_cache_gib=7.35, kv_cache_tokens=68832, num_gpu_blocks=4302,
+                    block_size=16, cuda_graph_gib=0.11)
+T4 = ServerParams(gpu_memory_utilization=0.0876, max_model_len=8192, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def llama3b(tmp_path_factory) -> ModelShape:
+    return model_shape(str(write_model_folder(PRESETS["llama-3.2-3b"], tmp_path_factory.mktemp("3b"))))
+
+
+def test_a_ready_launch_calibrates_the_terms_and_predicts_another_share(llama3b):
+    model = MemoryModel(llama3b, H200_NVML, "cuda", device_name="NVIDIA H200")
+    model.observe_ready(T1, T1_READY)
+    terms = model.terms(model.resolve(T1))
+    assert terms.weights == 6.04 * GIB            # the logged weights replace the shape's estimate
+    assert terms.activation == 8192 * model.activation_bytes_per_token()   # max-num-batched-tokens 8192
+    assert terms.cuda_graphs == 0                 # vLLM 0.24 does not take graphs out of the budget
+    assert model.predict(T1).kv_cache_tokens == 68832
+    p = model.predict(T4)
+    assert p.kv_cache_tokens == pytest.approx(48288, rel=0.005)
+    assert p.fits and not p.uncertain
+    # the logged 0.11 GiB at 8 sequences scales the prior's graph term (0.12 GiB logged at 16)
+    assert p.cuda_graph_gib == pytest.approx(0.11 * model.prior_graph_bytes(16) / model.prior_graph_bytes(8))
+    assert p.cuda_graph_gib == pytest.approx(0.12, abs=0.01)
+
+
+def test_a_kv_cache_too_small_launch_calibrates_the_overhead_for_the_next(llama3b):
+    model = MemoryModel(llama3b, H200_NVML, "cuda", device_name="NVIDIA H200")
+    failed = ServerParams(gpu_memory_utilization=0.1011, max_model_len=131072, max_num_seqs=128)
+    model.observe_failure(failed, LaunchFailure(kind="kv_cache_too_small", message="", needed_gib=14.0,
+                                                available_gib=7.05, estimated_max_model_len=65952))
+    # trial 1's budget (7.35 GiB, 4302 blocks) from trial 0's failure alone
+    p = model.predict(T1)
+    assert p.available_gib == pytest.approx(7.35, abs=0.02)
+    assert p.fits and not p.uncertain
+
+
+def test_no_cache_blocks_is_predicted_at_low_gmu_and_just_above_the_edge_fits(llama3b):
+    model = MemoryModel(llama3b, H200_NVML, "cuda", device_name="NVIDIA H200")
+    model.observe_ready(T1, T1_READY)
+    r = model.resolve(T1)
+    edge = model.overhead_bytes(r) / H200_NVML          # the gmu at which nothing is left for KV
+    assert edge * H200_NVML / GIB == pytest.approx(0.1033 * H200_NVML / GIB - 7.35, abs=0.01)
+    band = model.predict(T1).band_gib * GIB
+    below = model.predict(ServerParams(gpu_memory_utilization=round(edge - 2 * band / H200_NVML, 4),
+                                       max_model_len=4096, max_num_seqs=8))
+    assert not below.fits and not below.uncertain and below.kv_budget_gib < 0
+    assert "no memory left for the KV cache" in below.reason
+    # just above the edge: enough for one 4096-token request plus twice the band
+    need = 4096 * llama3b.kv_bytes_per_token()
+    above = model.predict(ServerParams(gpu_memory_utilization=round((edge * H200_NVML + need + 2 * band)
+                                                                    / H200_NVML, 4),
+                                       max_model_len=4096, max_num_seqs=8))
+    assert above.fits and not above.uncertain
+    # and kv_cache_too_small just past the largest max-model-len that budget holds
+    longer = model.predict(ServerParams(gpu_memory_utilization=round((edge * H200_NVML + need + 2 * band)
+                                                                     / H200_NVML, 4),
+                                        max_model_len=above.max_model_len_fit + 4096, max_num_seqs=8))
+    assert not longer.fits and longer.kv_budget_gib > 0
+
+
+def test_a_gpu_no_cache_blocks_failure_bounds_the_overhead_from_below(llama8b):
+    # vLLM 0.24 on the H200, 8B shape, a 24 GB budget: 0.74 of 24 GiB (launched 0.1265 of the H200)
+    # with max-model-len 8192 and 4 sequences found no KV memory at all.
+    model = MemoryModel(llama8b, H200_NVML, "cuda", device_name="NVIDIA H200")
+    failed = ServerParams(gpu_memory_utilization=0.1265, max_model_len=8192, max_num_seqs=4)
+    model.observe_failure(failed, LaunchFailure(kind="no_cache_blocks", message=""))
+    assert model.overhead_bytes(model.resolve(failed)) >= 0.1265 * H200_NVML
+    # the same share with a larger batch (more activation) cannot start either, nor a smaller share
+    for params in (ServerParams(gpu_memory_utilization=0.1265, max_model_len=8192, max_num_seqs=64),
+                   ServerParams(gpu_memory_utilization=0.12, max_model_len=4096, max_num_seqs=4)):
+        assert not model.predict(params).fits
+
+
+def test_launches_at_two_batch_sizes_fit_the_activation_slope(llama3b):
+    # Two ready launches that differ only in max-num-batched-tokens: the model fits the residual's
+    # slope, and a third batch size is predicted on that line, not at the nearer launch's figure.
+    model = MemoryModel(llama3b, H200_NVML, "cuda", device_name="NVIDIA H200")
+    bpt = llama3b.kv_bytes_per_token()
+    per_token = 3 * model.activation_bytes_per_token()    # this vLLM's peak: 4x the prior's slope
+    base = ServerParams(gpu_memory_utilization=0.2, max_model_len=4096, max_num_seqs=8)
+    for mnbt in (2048, 8192):
+        params = ServerParams(**{**base.__dict__, "max_num_batched_tokens": mnbt})
+        overhead = model._prior_total(model.resolve(params)) + 0.3 * GIB + per_token * mnbt
+        blocks = int((model.requested_bytes(model.resolve(params)) - overhead) // (16 * bpt))
+        model.observe_ready(params, Capacity(num_gpu_blocks=blocks, block_size=16,
+                                             kv_cache_tokens=blocks * 16))
+    r = model.resolve(ServerParams(**{**base.__dict__, "max_num_batched_tokens": 16384}))
+    assert model.activation_slope(r) == pytest.approx(per_token, rel=0.01)
+    want = model._prior_total(r) + 0.3 * GIB + per_token * 16384
+    assert model.overhead_bytes(r) == pytest.approx(want, abs=16 * bpt)
+
+
+def test_launch_to_launch_spread_widens_the_band(llama8b):
+    # results/h200-full trials 1 and 4: the same share and batch, 112.28 and 112.51 GiB of KV.
+    model = MemoryModel(llama8b, H200_NVML, "cuda", device_name="NVIDIA H200")
+    a = ServerParams(gpu_memory_utilization=0.92, max_model_len=4096, max_num_seqs=8)
+    b = ServerParams(gpu_memory_utilization=0.92, max_model_len=131072, max_num_seqs=8)
+    model.observe_ready(a, Capacity(weights_gib=15.0, num_gpu_blocks=57489, block_size=16,
+                                    kv_cache_tokens=919824))
+    narrow = model.predict(a).band_gib
+    model.observe_ready(b, Capacity(weights_gib=15.0, num_gpu_blocks=57606, block_size=16,
+                                    kv_cache_tokens=921696))
+    spread = model.calibration_spread_bytes(model.resolve(a)) / GIB
+    assert spread == pytest.approx(117 * 16 * llama8b.kv_bytes_per_token() / GIB, abs=0.001)   # 0.229
+    assert model.predict(a).band_gib >= spread > narrow
+
+
+def test_graphs_count_in_the_budget_once_a_log_shows_vllm_subtracts_them(llama3b):
+    model = MemoryModel(llama3b, H200_NVML, "cuda", device_name="NVIDIA H200")
+    few = ServerParams(gpu_memory_utilization=0.2, max_model_len=4096, max_num_seqs=8)
+    many = ServerParams(gpu_memory_utilization=0.2, max_model_len=4096, max_num_seqs=256)
+    before = model.predict(many).kv_budget_gib - model.predict(few).kv_budget_gib
+    model.observe_ready(few, Capacity(num_gpu_blocks=9000, block_size=16, kv_cache_tokens=144000,
+                                      cuda_graph_gib=0.11, cuda_graph_estimate_gib=0.11))
+    assert model.graphs_in_budget
+    after = model.predict(many).kv_budget_gib - model.predict(few).kv_budget_gib
+    graphs = model.graph_bytes(model.resolve(many)) - model.graph_bytes(model.resolve(few))
+    assert graphs > 0.3 * GIB and after == pytest.approx(before - graphs / GIB, abs=0.01)
+
+
+def test_capacity_reads_the_graph_lines():
+    from tuner.engines.vllm_logs import parse_capacity
+
+    log = ("INFO [model_runner.py:726] Graph capturing finished in 4 secs, took 0.59 GiB\n")
+    assert parse_capacity(log).cuda_graph_gib == 0.59
+    assert parse_capacity(log).cuda_graph_estimate_gib is None
+    newer = log + "INFO [gpu_model_runner.py:6475] Estimated CUDA graph memory: 0.61 GiB total\n"
+    assert parse_capacity(newer).cuda_graph_estimate_gib == 0.61
+    off = newer + "WARNING CUDA graph memory profiling is disabled (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0).\n"
+    assert parse_capacity(off).cuda_graph_estimate_gib is None

@@ -248,6 +248,9 @@ class Prediction:
     max_model_len: int = 0      # the max-model-len the prediction is for (default resolved)
     overhead_gib: float = 0.0   # non-KV memory inside the requested share (weights included)
     margin: float = 0.0         # the margin used, a fraction of the non-weight overhead
+    band_gib: float = 0.0       # +- this around the edge the prediction is uncertain
+    terms: OverheadTerms | None = None
+    cuda_graph_gib: float = 0.0  # graph memory, in the budget or (vLLM 0.24) on top of the share
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,33 @@ class Observation:
     miss: bool = False          # the prediction, certain, said the opposite
     kv_budget_bytes: float | None = None      # kv_cache_too_small: the budget vLLM found
     device_memory_bytes: int | None = None    # the device total the launch saw
+    weights_bytes: float | None = None        # "Model loading took X GiB"
+    cuda_graph_bytes: float | None = None     # "Graph capturing finished ..., took X GiB"
+    graphs_in_budget: bool | None = None      # vLLM subtracted its graph estimate from the budget
+
+
+@dataclass(frozen=True)
+class OverheadTerms:
+    """The non-KV memory vLLM takes out of the requested share, term by term (bytes).
+
+    weights: resident weights ("Model loading took"); non_torch: the runtime's fixed use (CUDA
+    context, cuBLAS/NCCL workspaces, the compile's pool; on the CPU build the worker's RSS);
+    activation: the profile run's peak, a forward pass of max-num-batched-tokens tokens (or the
+    sampler's max-num-seqs x vocab logits when larger); cuda_graphs: the graphs' estimate, counted
+    only where vLLM subtracts it from the budget (see `MemoryModel.graphs_in_budget`); correction:
+    what the launches seen so far add to the prior (a constant from the launches most like this
+    config, plus a slope in max-num-batched-tokens once launches at two or more values were seen).
+    """
+
+    weights: float
+    non_torch: float
+    activation: float
+    cuda_graphs: float
+    correction: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.non_torch + self.activation + self.cuda_graphs + self.correction
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -288,6 +318,12 @@ class MemoryModel:
         self.observations: list[Observation] = []
         self.misses = 0
         self.oom_gmu: dict[bool, float] = {}   # enforce_eager -> lowest gmu that hit a CUDA OOM
+        # Whether vLLM subtracts its CUDA graph estimate from the KV budget: vLLM 0.24 on an H200
+        # logged 116.48 GiB at gmu 0.95 for max-num-seqs 32, 128 and 256 alike (graphs 0.16-0.59
+        # GiB), so not there; later builds log "Estimated CUDA graph memory" and do. Learned from
+        # a ready launch's log (Capacity.cuda_graph_estimate_gib), off until one shows it.
+        self.graphs_in_budget = False
+        self.observed_weights_bytes: float | None = None
 
     # -- vLLM's defaults -------------------------------------------------------------------
 
@@ -327,21 +363,63 @@ class MemoryModel:
         return float(min(cpu_offload_gb * GIB, self.shape.weights_bytes))
 
     def device_weights_bytes(self, r: Resolved) -> float:
-        """Weights resident in the device's memory: the weights less what is offloaded."""
+        """Weights resident in the device's memory: the weights less what is offloaded (the
+        figure a launch logged, once one did and neither offloads)."""
+        if self.observed_weights_bytes is not None and not r.cpu_offload_bytes:
+            return self.observed_weights_bytes
         return self.shape.weights_bytes - r.cpu_offload_bytes
 
     # -- the overhead term -----------------------------------------------------------------
 
     def prior_runtime_bytes(self, r: Resolved) -> float:
         """Non-weight, non-KV memory before calibration: activations, sampler, CUDA graphs."""
+        t = self.prior_terms(r)
+        return t.non_torch + t.activation + t.cuda_graphs
+
+    def activation_bytes_per_token(self) -> float:
+        """The prior's activation peak per batched token: the MLP's gate/up and the attention's
+        q/k/v/o outputs of one layer at a time, fp32 on the CPU build."""
         s = self.shape
         act_bytes = 4 if self.platform == "cpu" else s.dtype_bytes
-        activations = r.max_num_batched_tokens * (4 * s.hidden_size + 2 * s.intermediate_size) * act_bytes
+        return (4 * s.hidden_size + 2 * s.intermediate_size) * act_bytes
+
+    def prior_graph_bytes(self, max_num_seqs: int) -> float:
+        """CUDA graph memory: a fixed pool plus one graph per capture size up to max-num-seqs
+        (H200, vLLM 0.24: 0.11-0.12 GiB at 8-16 sequences, 0.36-0.41 at 128, 0.59 at 256)."""
+        return 0.1 * GIB + min(max_num_seqs, 512) * self.shape.num_layers * 64 * 1024
+
+    def graph_bytes(self, r: Resolved) -> float:
+        """CUDA graph memory of this config: the prior, scaled to what launches logged."""
+        if r.enforce_eager:
+            return 0.0
+        prior = self.prior_graph_bytes(r.max_num_seqs)
+        seen = [(self.resolve(o.params).max_num_seqs, o.cuda_graph_bytes) for o in self.observations
+                if o.cuda_graph_bytes is not None]
+        if not seen:
+            return prior
+        if len({m for m, _ in seen}) >= 2:   # both terms from the launches: least squares
+            xs = [min(m, 512) for m, _ in seen]
+            ys = [g for _, g in seen]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+                     / sum((x - mx) ** 2 for x in xs))
+            slope = max(slope, 0.0)
+            return max(my + slope * (min(r.max_num_seqs, 512) - mx), 0.0)
+        ratio = sum(g / self.prior_graph_bytes(m) for m, g in seen) / len(seen)
+        return prior * ratio
+
+    def prior_terms(self, r: Resolved) -> OverheadTerms:
+        s = self.shape
+        activations = r.max_num_batched_tokens * self.activation_bytes_per_token()
         sampler = r.max_num_seqs * s.vocab_size * 4 * 2   # fp32 logits and their softmax
-        runtime = _BASE_RUNTIME_BYTES[self.platform] + max(activations, sampler)
+        non_torch = float(_BASE_RUNTIME_BYTES[self.platform])
         if not r.enforce_eager:
-            runtime += 0.15 * GIB + s.num_layers * 4 * MIB
-        return float(runtime)
+            # the compile's and the graph pool's fixed share, before any launch says more
+            non_torch += 0.15 * GIB + s.num_layers * 4 * MIB
+        graphs = self.graph_bytes(r) if self.graphs_in_budget else 0.0
+        return OverheadTerms(weights=self.device_weights_bytes(r), non_torch=non_torch,
+                             activation=float(max(activations, sampler)), cuda_graphs=graphs,
+                             correction=0.0)
 
     def requested_bytes(self, r: Resolved) -> float:
         return math.ceil(self.device_memory_bytes * r.gpu_memory_utilization)
@@ -351,18 +429,47 @@ class MemoryModel:
                 + 2 * (a.max_num_batched_tokens == b.max_num_batched_tokens)
                 + (a.max_num_seqs == b.max_num_seqs))
 
+    def _exact(self) -> list[tuple[Resolved, float]]:
+        """(config, observed minus prior overhead) of every launch that gave an exact figure."""
+        return [(ro, o.overhead_bytes - self._prior_total(ro))
+                for o in self.observations if o.overhead_bytes is not None and not o.lower_bound
+                for ro in (self.resolve(o.params),)]
+
+    def activation_slope(self, r: Resolved) -> float:
+        """Residual bytes per batched token beyond the prior's, fitted over exact launches of the
+        same enforce-eager at two or more max-num-batched-tokens; never below minus the prior's
+        own slope (the activation peak cannot shrink as the batch grows)."""
+        pts = [(ro.max_num_batched_tokens, res) for ro, res in self._exact()
+               if ro.enforce_eager == r.enforce_eager]
+        if len({x for x, _ in pts}) < 2:
+            return 0.0
+        mx = sum(x for x, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        slope = (sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
+        return max(slope, -self.activation_bytes_per_token())
+
+    def _nearest(self, r: Resolved) -> list[tuple[Resolved, float]]:
+        exact = self._exact()
+        if not exact:
+            return []
+        scored = [(self._similarity(r, ro), ro, res) for ro, res in exact]
+        best = max(sc for sc, _, _ in scored)
+        return [(ro, res) for sc, ro, res in scored if sc == best]
+
     def correction_bytes(self, r: Resolved) -> float:
-        """Observed minus prior overhead, from the launches most like this config."""
-        exact = [o for o in self.observations if o.overhead_bytes is not None and not o.lower_bound]
-        if exact:
-            scored = [(self._similarity(r, self.resolve(o.params)), o) for o in exact]
-            best = max(s for s, _ in scored)
-            near = [o for s, o in scored if s == best]
-            residuals = [o.overhead_bytes - self._prior_total(self.resolve(o.params)) for o in near]
-            correction = sum(residuals) / len(residuals)
+        """Observed minus prior overhead, from the launches most like this config, moved along the
+        fitted activation slope to this config's max-num-batched-tokens."""
+        near = self._nearest(r)
+        if near:
+            slope = self.activation_slope(r)
+            shifted = [res + slope * (r.max_num_batched_tokens - ro.max_num_batched_tokens)
+                       for ro, res in near]
+            correction = sum(shifted) / len(shifted)
         else:
             correction = 0.0
-        # A launch that found no KV memory at all bounds the overhead from below.
+        # A launch that found no KV memory at all bounds the overhead from below, for configs of
+        # the same enforce-eager whose activation is at least as large (a smaller batch is let off
+        # by the prior's activation difference, already inside the residual).
         for o in self.observations:
             if not o.lower_bound or o.overhead_bytes is None:
                 continue
@@ -371,11 +478,25 @@ class MemoryModel:
                 correction = max(correction, o.overhead_bytes - self._prior_total(ro))
         return correction
 
+    def calibration_spread_bytes(self, r: Resolved) -> float:
+        """How far apart the launches most like this config put the overhead (max - min of their
+        residuals): launch-to-launch noise of the profile (0.2-0.27 GiB between H200 launches of
+        one config), which no term explains and every prediction near the edge must allow for."""
+        near = self._nearest(r)
+        if len(near) < 2:
+            return 0.0
+        slope = self.activation_slope(r)
+        shifted = [res - slope * ro.max_num_batched_tokens for ro, res in near]
+        return max(shifted) - min(shifted)
+
     def _prior_total(self, r: Resolved) -> float:
-        return self.device_weights_bytes(r) + self.prior_runtime_bytes(r)
+        return self.prior_terms(r).total
+
+    def terms(self, r: Resolved) -> OverheadTerms:
+        return replace(self.prior_terms(r), correction=self.correction_bytes(r))
 
     def overhead_bytes(self, r: Resolved) -> float:
-        return self._prior_total(r) + self.correction_bytes(r)
+        return self.terms(r).total
 
     @property
     def calibrated(self) -> bool:
@@ -405,9 +526,10 @@ class MemoryModel:
             fit_len = s.max_position_embeddings
         else:
             fit_len = min(num_blocks * self.block_size, s.max_position_embeddings)
-        weights = self.device_weights_bytes(r)
+        terms = self.terms(r)
+        weights = terms.weights
         band = margin * (overhead - weights if overhead > weights else overhead)
-        band = max(band, block_bytes)
+        band = max(band, block_bytes, self.calibration_spread_bytes(r))
 
         reasons = []
         if params.max_model_len is not None and params.max_model_len > s.max_position_embeddings:
@@ -441,7 +563,7 @@ class MemoryModel:
             max_model_len_fit=int(fit_len), max_concurrency=max_concurrency, fits=fits,
             uncertain=not certain, needed_gib=needed / GIB, available_gib=budget / GIB,
             reason="; ".join(reasons), max_model_len=r.max_model_len, overhead_gib=overhead / GIB,
-            margin=margin,
+            margin=margin, band_gib=band / GIB, terms=terms, cuda_graph_gib=self.graph_bytes(r) / GIB,
         )
 
     def _failed_with_more(self, r: Resolved, needed: float, block_bytes: float) -> bool:
@@ -506,7 +628,20 @@ class MemoryModel:
             self.device_memory_bytes = int(device_memory_bytes)
         budget = self._budget_from_capacity(r, capacity)
         overhead = None if budget is None else self.requested_bytes(r) - budget
-        return self._learn(params, "ready", overhead, False, True, device_memory_bytes)
+        in_budget = capacity.cuda_graph_estimate_gib is not None
+        if in_budget:
+            self.graphs_in_budget = True
+        obs = self._learn(params, "ready", overhead, False, True, device_memory_bytes)
+        # the logged terms: after the prediction above, so a miss is judged on what was known
+        if capacity.weights_gib is not None and not r.cpu_offload_bytes:
+            self.observed_weights_bytes = capacity.weights_gib * GIB
+        graphs = capacity.cuda_graph_estimate_gib if in_budget else capacity.cuda_graph_gib
+        obs = replace(obs, weights_bytes=None if capacity.weights_gib is None
+                      else capacity.weights_gib * GIB,
+                      cuda_graph_bytes=None if graphs is None or r.enforce_eager else graphs * GIB,
+                      graphs_in_budget=in_budget)
+        self.observations[-1] = obs
+        return obs
 
     def observe_failure(self, params: ServerParams, failure: LaunchFailure,
                         device_memory_bytes: int | None = None) -> Observation:

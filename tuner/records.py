@@ -66,6 +66,8 @@ class Capacity:
     ready_s: float = 0.0
     cache_config: tuple[tuple[str, str], ...] = ()   # labels of vllm:cache_config_info
     cpu_offload_gib: float | None = None   # weights the server logged as kept in host memory
+    cuda_graph_gib: float | None = None    # "Graph capturing finished ..., took X GiB"
+    cuda_graph_estimate_gib: float | None = None   # the graph estimate vLLM took out of the KV budget
 
 
 # ---------------------------------------------------------------- the load test

@@ -135,6 +135,11 @@ _KV_GIB = (re.compile(r"Available KV cache memory:\s*([\d.,]+)\s*GiB"),
 # An INFO line of a server that goes on to serve (--cpu-offload-gb): a capacity fact, not a
 # failure. The measured speed against the roofline decides whether the config is too slow.
 _CPU_OFFLOADED = re.compile(r"Total CPU offloaded parameters:?\s*([\d.,]+)")  # offloader/uva.py, GiB
+_GRAPHS_TOOK = re.compile(r"Graph capturing finished in\s*[\d.,]+\s*secs?, took\s*(-?[\d.,]+)\s*GiB")
+# Builds that profile graphs before sizing the cache log the estimate; it is taken out of the
+# budget unless VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0, which logs the "disabled" warning.
+_GRAPHS_ESTIMATE = re.compile(r"Estimated CUDA graph memory:\s*([\d.,]+)\s*GiB")
+_GRAPHS_ESTIMATE_OFF = re.compile(r"CUDA graph memory profiling is disabled")
 _KV_TOKENS = re.compile(r"KV cache size:\s*([\d,]+)\s*tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for\s*[\d,]+\s*tokens per request:\s*([\d.,]+)\s*x")
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(.*)\}", re.M)
@@ -168,6 +173,8 @@ def parse_capacity(log_text: str, metrics_text: str = "", ready_s: float = 0.0) 
     tokens = _first([_KV_TOKENS], log_text)
     concurrency = _first([_CONCURRENCY], log_text)
     offloaded = _first([_CPU_OFFLOADED], log_text)
+    graphs = _first([_GRAPHS_TOOK], log_text)
+    estimate = _first([_GRAPHS_ESTIMATE], log_text)
     cache_config = parse_cache_config_info(metrics_text)
     labels = dict(cache_config)
     kv_tokens = int(_number(tokens)) if tokens else _int_label(labels, "kv_cache_size_tokens")
@@ -184,6 +191,9 @@ def parse_capacity(log_text: str, metrics_text: str = "", ready_s: float = 0.0) 
         ready_s=ready_s,
         cache_config=cache_config,
         cpu_offload_gib=_number(offloaded) if offloaded else None,
+        cuda_graph_gib=_number(graphs) if graphs else None,
+        cuda_graph_estimate_gib=(_number(estimate) if estimate and
+                                 not _GRAPHS_ESTIMATE_OFF.search(log_text) else None),
     )
 
 
