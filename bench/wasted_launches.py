@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from search_efficiency import (SAMPLERS, TABLE, describe_table, load_table,  # noqa: E402
                                replay)
-from tuner.launcher import MEMORY_FAILURES  # noqa: E402
+from tuner.run.process import MEMORY_FAILURES  # noqa: E402
 
 TARGET_SHARE = 0.10
 

@@ -15,8 +15,8 @@ from optuna.trial import TrialState
 
 import faultkit as fk
 import postgres
-from tuner import parallel
-from tuner.study import DIRECTIONS, RequeueOnce
+from tuner.search import parallel
+from tuner.search.study import DIRECTIONS, RequeueOnce
 
 SAME = {"gpu_memory_utilization": 0.5, "max_model_len": 1024, "max_num_seqs": 2}
 TRIALS = 5

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from tuner import progress
+from tuner.search import progress
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
 
@@ -58,8 +58,8 @@ def run(cfg: StudyConfig, argv: list[str], n_workers: int, n_trials: int, gpus: 
     """Prepare the study once (create it, queue the baselines, stop what a killed run left), start
     the workers, and wait for them; when one dies, stop its server and queue its trial again (the
     others finish it). The study, once every worker has ended."""
-    from tuner import report
-    from tuner.study import Tuner
+    from tuner.results import report
+    from tuner.search.study import Tuner
 
     if gpus and "CUDA_VISIBLE_DEVICES" in dict(cfg.env):
         raise TunerError("--gpus and the study's [server] env CUDA_VISIBLE_DEVICES both choose the "
