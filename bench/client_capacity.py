@@ -1,7 +1,7 @@
 """How many streamed tokens per second one client process handles on one core, and its CPU at 11,400 tok/s.
 
 A local aiohttp server (its own process, pinned to another core when there is one) streams
-vLLM-shaped completion chunks, one token each. The client is tuner.loadgen's own request function,
+vLLM-shaped completion chunks, one token each. The client is tuner.load.client's own request function,
 recording every content chunk's arrival time, pinned to one core.
 
   .venv/bin/python bench/client_capacity.py            # about a minute
@@ -97,7 +97,7 @@ async def drive(url: str, streams: int, tokens: int, duration_s: float, bare: bo
     """Closed loop of `streams` streaming requests for `duration_s`; (tok/s, cpu share, arrivals)."""
     import aiohttp
 
-    from tuner.loadgen import new_session, request_payload, stream_request
+    from tuner.load.client import new_session, request_payload, stream_request
 
     payload = request_payload("m", "w1 w2 w3", tokens)
     stop_at = time.perf_counter() + duration_s
@@ -129,7 +129,7 @@ async def drive(url: str, streams: int, tokens: int, duration_s: float, bare: bo
 async def paced(url: str, streams: int, duration_s: float, bare: bool = False) -> tuple[float, float]:
     """`streams` requests paced by the server, each spanning the whole run; CPU and token rate are
     taken over a middle window, so connection set-up and request turnover stay out of the figure."""
-    from tuner.loadgen import new_session, request_payload, stream_request
+    from tuner.load.client import new_session, request_payload, stream_request
 
     ramp = 2.0
     payload = request_payload("m", "w1 w2 w3", int(11400 / streams * (duration_s + 2 * ramp + 1)))
@@ -181,7 +181,7 @@ def main() -> None:
         wait_for_port(port, server, "capacity server")
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {0})
-        from tuner.loadgen import run_async
+        from tuner.load.client import run_async
 
         url = f"http://127.0.0.1:{port}/v1/completions"
         print(f"client pinned to one core; server in pid {server.pid}; {args.duration:g} s per run", file=sys.stderr)

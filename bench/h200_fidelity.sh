@@ -7,8 +7,8 @@ rounds=${1:-3} conc=${2:-16}
 . /tmp/vllm-env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-model=$(python3 -c "from tuner.presets import preset_folder; print(preset_folder('llama-3.1-8b'))")
-port=$(python3 -c "from tuner.launcher import free_port; print(free_port())")
+model=$(python3 -c "from tuner.models.presets import preset_folder; print(preset_folder('llama-3.1-8b'))")
+port=$(python3 -c "from tuner.run.process import free_port; print(free_port())")
 vllm serve "$model" --load-format dummy --host 127.0.0.1 --port "$port" > /tmp/fidelity-server.log 2>&1 &
 pid=$!
 trap 'kill -INT $pid 2>/dev/null; sleep 5; kill -9 $pid 2>/dev/null' EXIT

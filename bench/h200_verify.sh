@@ -8,7 +8,7 @@ study=$1 out="$OUT/verify${2:+-$2}.txt" scale=${3:-1} repeat=${4:-1}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 # a preset model's folder (config.json, tokenizer) is written by the tuner: make it on a fresh machine
-python3 -c "from tuner.cli import resolve_study_file; from tuner.config import load_study; from tuner.checkpoint import resolve_model; resolve_model(load_study(resolve_study_file('studies/$study.toml')))" >/dev/null 2>&1
+python3 -c "from tuner.cli import resolve_study_file; from tuner.config import load_study; from tuner.models.checkpoint import resolve_model; resolve_model(load_study(resolve_study_file('studies/$study.toml')))" >/dev/null 2>&1
 cmd=$(python3 -m tuner export --study "studies/$study.toml" --keep-dummy 2>/dev/null)
 echo "exported: $cmd" | tee "$out"
 port=8123

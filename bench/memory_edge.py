@@ -33,11 +33,11 @@ sys.path.insert(0, str(REPO))
 
 import pandas as pd  # noqa: E402
 
-from tuner import feasibility  # noqa: E402
+from tuner.search import feasibility  # noqa: E402
 from tuner.engines.vllm_logs import parse_capacity  # noqa: E402
-from tuner.presets import PRESETS, TINY_MODEL, write_model_folder  # noqa: E402
+from tuner.models.presets import PRESETS, TINY_MODEL, write_model_folder  # noqa: E402
 from tuner.records import Capacity, LaunchFailure  # noqa: E402
-from tuner.space import ServerParams  # noqa: E402
+from tuner.search.space import ServerParams  # noqa: E402
 
 GIB = feasibility.GIB
 GRID = REPO / "bench" / "data" / "grid-tiny-cpu.csv"

@@ -48,9 +48,9 @@ sys.path.insert(0, str(REPO / "bench"))
 import pandas as pd  # noqa: E402
 
 from search_efficiency import STUDY, TABLE, GridTable, key_of  # noqa: E402
-from tuner import study as study_module  # noqa: E402
+from tuner.search import study as study_module  # noqa: E402
 from tuner.config import load_study  # noqa: E402
-from tuner.study import Platform, Tuner  # noqa: E402
+from tuner.search.study import Platform, Tuner  # noqa: E402
 
 H200 = [REPO / "results" / name / "trials.csv" for name in ("h200-full", "h200-16gb", "h200-levels")]
 WORKERS = (1, 2, 4, 8)
@@ -164,7 +164,7 @@ class Result:
 def run_study(n_workers: int, which: str, scale: float, poll_s: float, n_trials: int) -> Result:
     import optuna
 
-    from tuner import report
+    from tuner.results import report
 
     # storage on tmpfs where there is one: SQLite's commit per attr then costs no disk sync, which
     # at this time scale would weigh as much as a trial

@@ -24,10 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tuner import feasibility  # noqa: E402
-from tuner.launcher import Capacity, LaunchFailure, LaunchSpec, ServerProcess  # noqa: E402
-from tuner.presets import TINY_CONFIG, TINY_MODEL, _llama, write_model_folder  # noqa: E402
-from tuner.space import ServerParams  # noqa: E402
+from tuner.search import feasibility  # noqa: E402
+from tuner.run.process import Capacity, LaunchFailure, LaunchSpec, ServerProcess  # noqa: E402
+from tuner.models.presets import TINY_CONFIG, TINY_MODEL, _llama, write_model_folder  # noqa: E402
+from tuner.search.space import ServerParams  # noqa: E402
 
 DATA = REPO / "bench" / "data" / "prediction_accuracy.json"
 

@@ -36,10 +36,10 @@ import pandas as pd  # noqa: E402
 
 from tuner.config import StudyConfig, load_study  # noqa: E402
 from tuner.errors import TunerError  # noqa: E402
-from tuner.launcher import Capacity, LaunchFailure  # noqa: E402
-from tuner.measure import TrialOutcome  # noqa: E402
-from tuner.metrics import LoadMetrics  # noqa: E402
-from tuner.study import Platform, Tuner  # noqa: E402
+from tuner.run.process import Capacity, LaunchFailure  # noqa: E402
+from tuner.run.measure import TrialOutcome  # noqa: E402
+from tuner.load.metrics import LoadMetrics  # noqa: E402
+from tuner.search.study import Platform, Tuner  # noqa: E402
 
 STUDY = REPO / "bench" / "grid.toml"
 TABLE = REPO / "bench" / "data" / "grid-tiny-cpu.csv"

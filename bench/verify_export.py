@@ -22,10 +22,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tuner import export, report  # noqa: E402
+from tuner.results import export, report  # noqa: E402
 from tuner.config import load_study  # noqa: E402
-from tuner.loadgen import load_plan  # noqa: E402
-from tuner.study import load_existing  # noqa: E402
+from tuner.load.client import load_plan  # noqa: E402
+from tuner.search.study import load_existing  # noqa: E402
 
 VLLM_BENCH = """
 import sys

@@ -30,7 +30,7 @@ import tempfile  # noqa: E402
 
 from search_efficiency import (SAMPLERS, STUDY, TABLE, GridTable, describe_table,  # noqa: E402
                                load_table, replay)
-from tuner.launcher import MEMORY_FAILURES  # noqa: E402
+from tuner.run.process import MEMORY_FAILURES  # noqa: E402
 
 TARGET_SHARE = 0.10
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.presets import TINY_MODEL
+from tuner.models.presets import TINY_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 from tuner.config import parse_study
-from tuner.launcher import Capacity, LaunchFailure, build_argv
-from tuner.measure import TrialOutcome
-from tuner.metrics import LoadMetrics
-from tuner.study import Platform
+from tuner.run.process import Capacity, LaunchFailure, build_argv
+from tuner.run.measure import TrialOutcome
+from tuner.load.metrics import LoadMetrics
+from tuner.search.study import Platform
 
 FAKE_PLATFORM = Platform("cpu", "fake device", 10 * 2**30, None, ("true",), "0.0-fake")
 
@@ -102,7 +102,7 @@ class FakeCurveDevice(FakeDevice):
     during: object = None
 
     def __call__(self, spec, workload, on_started=None, progress=False) -> TrialOutcome:
-        from tuner.plan import load_plan
+        from tuner.load.plan import load_plan
         from tuner.records import LevelMetrics
 
         out = super().__call__(spec, workload, on_started, progress)

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tuner.launcher import _cmdline, _stat_fields
+from tuner.run.process import _cmdline, _stat_fields
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -52,7 +52,7 @@ def terminal_signals() -> None:
 
 def private_model(folder: Path) -> Path:
     """A copy of the embedded tiny model under a unique name: its path marks our servers' argv."""
-    from tuner.presets import TINY_MODEL
+    from tuner.models.presets import TINY_MODEL
 
     dest = Path(folder) / f"fault-model-{uuid.uuid4().hex[:8]}"
     shutil.copytree(TINY_MODEL, dest)

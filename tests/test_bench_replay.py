@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import search_efficiency as se  # noqa: E402
-from tuner.launcher import LaunchSpec  # noqa: E402
-from tuner.space import ServerParams  # noqa: E402
+from tuner.run.process import LaunchSpec  # noqa: E402
+from tuner.search.space import ServerParams  # noqa: E402
 
 
 def test_hypervolume_of_boxes_anchored_at_the_origin():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from tuner import checkpoint, presets
+from tuner.models import checkpoint, presets
 from tuner.config import parse_study
 from tuner.errors import HubUnreachable, ModelNotFound, TunerError
 

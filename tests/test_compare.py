@@ -129,7 +129,8 @@ def test_bad_input_is_one_line_and_exit_2(work, studies):
 def test_the_mismatch_line_names_a_differing_model_and_levels():
     from dataclasses import replace
 
-    from tuner import compare, config
+    from tuner.results import compare
+    from tuner import config
 
     demo = config.load_study(str(REPO / "studies" / "demo.toml"))
     llama = config.load_study(str(REPO / "studies" / "demo-llamacpp.toml"))

@@ -3,12 +3,14 @@
 import pandas as pd
 import pytest
 
-from tuner import cli, engines, export, report, space
+from tuner import cli, engines
+from tuner.results import export, report
+from tuner.search import space
 from tuner.config import parse_study
 from tuner.engines import vllm
 from tuner.engines.base import Flag
 from tuner.errors import ConfigError
-from tuner.launcher import LaunchSpec, build_argv
+from tuner.run.process import LaunchSpec, build_argv
 
 SPACE = {"gpu_memory_utilization": {"low": 0.1, "high": 0.5},
          "max_model_len": {"choices": [1024, 2048]}, "max_num_seqs": {"low": 1, "high": 8}}
@@ -89,7 +91,7 @@ def test_known_infeasible_reads_memory_roles_from_the_table(new_flag):
 
     from optuna.trial import TrialState
 
-    from tuner.study import Tuner
+    from tuner.search.study import Tuner
 
     failed = SimpleNamespace(user_attrs={"failure": "kv_cache_too_small"}, number=0,
                              params={"gpu_memory_utilization": 0.3, "max_model_len": 2048,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from fakes import FAKE_PLATFORM, FAKE_STUDY, FakeDevice
-from tuner import export, report
+from tuner.results import export, report
 from tuner.config import parse_study
-from tuner.study import Tuner
+from tuner.search.study import Tuner
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_SERVE = ("/opt/venv/bin/vllm", "serve")

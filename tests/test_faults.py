@@ -14,15 +14,15 @@ import pytest
 from optuna.trial import TrialState
 
 import faultkit as fk
-from tuner import gpu
+from tuner.run import devices
 from tuner.config import parse_study
 from tuner.errors import TunerError
-from tuner.gpu import GIB, GpuBusy
-from tuner.launcher import LaunchSpec
-from tuner.loadgen import Workload
-from tuner.measure import measure_config
-from tuner.space import ServerParams
-from tuner.study import Platform, Tuner, load_existing
+from tuner.run.devices import GIB, GpuBusy
+from tuner.run.process import LaunchSpec
+from tuner.load.client import Workload
+from tuner.run.measure import measure_config
+from tuner.search.space import ServerParams
+from tuner.search.study import Platform, Tuner, load_existing
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ class FakeNvml:
 
 def test_busy_gpu_is_named_waited_for_and_skipped_without_wedging_resume(tmp_path, model,
                                                                           monkeypatch):
-    gpu.reset_nvml()
+    devices.reset_nvml()
     holder = os.getppid()  # some other live process of ours, standing in for the GPU's holder
     FakeNvml(monkeypatch, holder)
     launches = []
@@ -205,7 +205,7 @@ def test_busy_gpu_is_named_waited_for_and_skipped_without_wedging_resume(tmp_pat
         with pytest.raises(TunerError, match="the GPU stayed busy for 3 trials in a row") as err:
             Tuner(cfg, measure=measure, platform=platform, progress=False).run(1)
     finally:
-        gpu.reset_nvml()
+        devices.reset_nvml()
     assert launches == []
     assert "\n" not in str(err.value) and f"pid {holder}" in str(err.value)
     # each refused config is skipped with its reason, not queued again: a resumed run asks the

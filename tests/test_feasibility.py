@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from tuner.feasibility import (GIB, MIB, PCIE_FALLBACK_GBPS, MemoryModel, ModelShape,
+from tuner.search.feasibility import (GIB, MIB, PCIE_FALLBACK_GBPS, MemoryModel, ModelShape,
                                device_memory_bytes, model_shape, roofline_shortfall, roofline_tok_s)
-from tuner.launcher import Capacity, LaunchFailure
-from tuner.presets import PRESETS, TINY_MODEL, write_model_folder
-from tuner.space import ServerParams
+from tuner.run.process import Capacity, LaunchFailure
+from tuner.models.presets import PRESETS, TINY_MODEL, write_model_folder
+from tuner.search.space import ServerParams
 
 H200_BYTES = 143771 * MIB   # NVML's total on an H200
 
@@ -20,7 +20,7 @@ CPU_READY_LOG = """\
 (EngineCore pid=5422) INFO [kv_cache_utils.py:2327] CPU KV cache size: 59,264 tokens, Maximum concurrency for 2,048 tokens per request: 28.94x
 """
 CPU_TOTAL = int(10.21 * GIB)
-# What tuner.launcher.parse_capacity reads from those lines (built here so this file does not
+# What tuner.run.process.parse_capacity reads from those lines (built here so this file does not
 # depend on the launcher's parsing).
 CPU_READY = Capacity(kv_cache_gib=0.23, kv_cache_tokens=59264, max_concurrency=28.94)
 

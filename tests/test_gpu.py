@@ -9,18 +9,18 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from tuner import gpu
+from tuner.run import devices
 from tuner.errors import TunerError
-from tuner.gpu import GIB, GpuBusy, GpuInfo, GpuProcess, PeakMemorySampler
+from tuner.run.devices import GIB, GpuBusy, GpuInfo, GpuProcess, PeakMemorySampler
 
 from fakes import FakeGpu, FakeNvml
 
 
 @pytest.fixture(autouse=True)
 def fresh_nvml():
-    gpu.reset_nvml()
+    devices.reset_nvml()
     yield
-    gpu.reset_nvml()
+    devices.reset_nvml()
 
 
 # --------------------------------------------------------------------------- bandwidth
@@ -38,7 +38,7 @@ def fresh_nvml():
     ("Some Future GPU", None, 4096, None),
 ])
 def test_memory_bandwidth(name, clock, bus, expected):
-    got = gpu.memory_bandwidth_gbps(name, clock, bus)
+    got = devices.memory_bandwidth_gbps(name, clock, bus)
     assert got is None if expected is None else got == pytest.approx(expected, abs=0.1)
 
 
@@ -49,17 +49,17 @@ def test_memory_bandwidth(name, clock, bus, expected):
     ("NVIDIA GeForce RTX 4090", 1008), ("NVIDIA L40S", 864), ("NVIDIA A40", 696),
 ])
 def test_known_card_table(name, gbps):
-    assert gpu.known_bandwidth_gbps(name) == gbps
+    assert devices.known_bandwidth_gbps(name) == gbps
 
 
 # --------------------------------------------------------------------------- no GPU
 
 def test_no_gpu_is_a_clean_answer():
     # this machine has no NVIDIA driver: NVML fails to initialise
-    assert gpu.gpus() == []
-    assert gpu.gpu_processes() == []
-    assert gpu.memory_used_bytes() is None
-    gpu.check_gpu_free(100 * GIB)   # nothing to wait for
+    assert devices.gpus() == []
+    assert devices.gpu_processes() == []
+    assert devices.memory_used_bytes() is None
+    devices.check_gpu_free(100 * GIB)   # nothing to wait for
     with PeakMemorySampler() as sampler:
         pass
     assert sampler.peak_bytes == {} and sampler.peak_gib is None
@@ -75,14 +75,14 @@ def test_missing_pynvml_is_no_gpu(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_pynvml)
-    assert gpu.gpus() == []
+    assert devices.gpus() == []
 
 
 # --------------------------------------------------------------------------- fake NVML
 
 def test_gpus_from_nvml(monkeypatch):
     FakeNvml(monkeypatch, FakeGpu(uuid="GPU-aaaa"))
-    (info,) = gpu.gpus()
+    (info,) = devices.gpus()
     assert info == GpuInfo(index=0, name="NVIDIA H100 80GB HBM3", memory_total_bytes=80 * GIB,
                            memory_free_bytes=79 * GIB, memory_bandwidth_gbps=3352.3,
                            uuid="GPU-aaaa", compute_capability=(9, 0), cuda_index=0,
@@ -91,31 +91,31 @@ def test_gpus_from_nvml(monkeypatch):
 
 
 def test_pcie_bandwidth_is_lanes_times_the_generation_rate(monkeypatch):
-    assert gpu.pcie_bandwidth_gbps(4, 16) == 31.5 and gpu.pcie_bandwidth_gbps(3, 8) == 7.9
-    assert gpu.pcie_bandwidth_gbps(None, 16) is None and gpu.pcie_bandwidth_gbps(9, 16) is None
+    assert devices.pcie_bandwidth_gbps(4, 16) == 31.5 and devices.pcie_bandwidth_gbps(3, 8) == 7.9
+    assert devices.pcie_bandwidth_gbps(None, 16) is None and devices.pcie_bandwidth_gbps(9, 16) is None
     FakeNvml(monkeypatch, FakeGpu(pcie=None))   # NVML cannot tell: unknown, not an error
-    assert gpu.gpus()[0].pcie_bandwidth_gbps is None
+    assert devices.gpus()[0].pcie_bandwidth_gbps is None
 
 
 def test_nvml_names_as_bytes(monkeypatch):
     FakeNvml(monkeypatch, FakeGpu(name=b"Tesla T4"))
-    assert gpu.gpus()[0].name == "Tesla T4"
+    assert devices.gpus()[0].name == "Tesla T4"
 
 
 def test_gpu_processes_with_cmdline(monkeypatch):
     me = os.getpid()
     FakeNvml(monkeypatch, FakeGpu(processes=[(me, 3 * GIB), (999999999, None)]))
-    mine, stranger = gpu.gpu_processes(0)
+    mine, stranger = devices.gpu_processes(0)
     assert mine.pid == me and mine.used_bytes == 3 * GIB and "python" in mine.cmdline
     assert stranger == GpuProcess(pid=999999999, used_bytes=0, cmdline="")
-    assert gpu.gpu_processes(5) == []
+    assert devices.gpu_processes(5) == []
 
 
 def test_busy_gpu_refuses_with_a_clear_message(monkeypatch):
     FakeNvml(monkeypatch, FakeGpu(used=70 * GIB, processes=[(os.getpid(), 70 * GIB)]))
-    needed = gpu.required_bytes(gpu.gpus()[0], 0.9)
+    needed = devices.required_bytes(devices.gpus()[0], 0.9)
     with pytest.raises(TunerError) as err:
-        gpu.check_gpu_free(needed)
+        devices.check_gpu_free(needed)
     assert isinstance(err.value, GpuBusy)
     message = str(err.value)
     assert "\n" not in message
@@ -123,7 +123,7 @@ def test_busy_gpu_refuses_with_a_clear_message(monkeypatch):
     assert f"pid {os.getpid()}" in message
     # the tuner's own processes are not blamed
     with pytest.raises(GpuBusy) as err:
-        gpu.check_gpu_free(needed, own_pids={os.getpid()})
+        devices.check_gpu_free(needed, own_pids={os.getpid()})
     assert err.value.holders == []
 
 
@@ -137,7 +137,7 @@ def test_busy_gpu_waits_for_memory(monkeypatch):
     import threading
     threading.Thread(target=release).start()
     started = time.monotonic()
-    gpu.check_gpu_free(60 * GIB, wait_s=10, poll_s=0.05)
+    devices.check_gpu_free(60 * GIB, wait_s=10, poll_s=0.05)
     assert time.monotonic() - started < 5
 
 
@@ -183,10 +183,10 @@ def test_visible_devices_follow_cuda(monkeypatch, setting, expected):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     if setting is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", setting)
-    seen = gpu.gpus()
+    seen = devices.gpus()
     assert [g.index for g in seen] == expected
     assert [g.cuda_index for g in seen] == list(range(len(expected)))
-    v = gpu.visibility()
+    v = devices.visibility()
     assert sorted(g.index for g in v.devices + v.hidden) == ([0, 1, 2, 3] if setting is not None
                                                              else [0, 1, 2, 3])
     if setting in ("1,7,2", "GPU-9999", "GPU-", "nvidia0"):
@@ -196,11 +196,11 @@ def test_visible_devices_follow_cuda(monkeypatch, setting, expected):
 def test_the_study_env_wins_over_the_tuners(monkeypatch):
     four_gpus(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    assert [g.index for g in gpu.gpus()] == [0]
+    assert [g.index for g in devices.gpus()] == [0]
     study_env = (("CUDA_VISIBLE_DEVICES", "2,3"),)
-    assert [g.index for g in gpu.gpus(study_env)] == [2, 3]
-    assert gpu.visibility(study_env).source == "study env"
-    assert gpu.visibility().source == "environment"
+    assert [g.index for g in devices.gpus(study_env)] == [2, 3]
+    assert devices.visibility(study_env).source == "study env"
+    assert devices.visibility().source == "environment"
 
 
 def test_mig_instance(monkeypatch):
@@ -209,24 +209,24 @@ def test_mig_instance(monkeypatch):
     FakeNvml(monkeypatch, FakeGpu(name="NVIDIA A100-SXM4-40GB", uuid="GPU-a100", capability=(8, 0),
                                   migs=migs), FakeGpu(uuid="GPU-h100"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-aaaa-0002")
-    (mig,) = gpu.gpus()
+    (mig,) = devices.gpus()
     assert (mig.index, mig.mig_index, mig.memory_total_bytes) == (0, 1, 20 * GIB)
     assert mig.label == "GPU 0 MIG 1" and mig.compute_capability == (8, 0)
-    assert gpu.memory_used_bytes(mig) == 0
+    assert devices.memory_used_bytes(mig) == 0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-GPU-a100/1/0")
-    assert gpu.gpus() == [] and "old MIG-GPU" in gpu.visibility().note
+    assert devices.gpus() == [] and "old MIG-GPU" in devices.visibility().note
 
 
 def test_order_note_on_a_mixed_host(monkeypatch):
     four_gpus(monkeypatch, name="Tesla V100-SXM2-16GB")
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert "CUDA_DEVICE_ORDER" in gpu.visibility().note
+    assert "CUDA_DEVICE_ORDER" in devices.visibility().note
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    assert gpu.visibility().note == ""
+    assert devices.visibility().note == ""
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")       # identical cards: the orders agree
-    assert gpu.visibility().note == ""
+    assert devices.visibility().note == ""
 
 
 def test_free_check_looks_at_the_visible_gpu(monkeypatch):
@@ -234,12 +234,12 @@ def test_free_check_looks_at_the_visible_gpu(monkeypatch):
     fake.devices[0].used = 79 * GIB            # GPU 0 is full, GPU 2 is not
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(GpuBusy, match="GPU 0 is busy"):
-        gpu.check_gpu_free(40 * GIB)
-    gpu.check_gpu_free(40 * GIB, env=(("CUDA_VISIBLE_DEVICES", "2"),))
+        devices.check_gpu_free(40 * GIB)
+    devices.check_gpu_free(40 * GIB, env=(("CUDA_VISIBLE_DEVICES", "2"),))
     fake.devices[2].used = 79 * GIB
     with pytest.raises(GpuBusy, match="GPU 2 is busy"):
-        gpu.check_gpu_free(40 * GIB, env=(("CUDA_VISIBLE_DEVICES", "2,0"),))
-    gpu.check_gpu_free(40 * GIB, env=(("CUDA_VISIBLE_DEVICES", ""),))   # no GPU: nothing to check
+        devices.check_gpu_free(40 * GIB, env=(("CUDA_VISIBLE_DEVICES", "2,0"),))
+    devices.check_gpu_free(40 * GIB, env=(("CUDA_VISIBLE_DEVICES", ""),))   # no GPU: nothing to check
 
 
 def test_sampler_reads_only_visible_gpus_and_names_strangers(monkeypatch):
@@ -297,25 +297,25 @@ H200 = GpuInfo(0, "NVIDIA H200", 141 * GIB, 140 * GIB, 4800.0, compute_capabilit
     (None, {"torch_dtype": "bfloat16"}, (), None, "CPU build"),
 ])
 def test_supported_dtype(device, config, extra, dtype, words):
-    choice = gpu.supported_dtype(device, config, extra)
+    choice = devices.supported_dtype(device, config, extra)
     assert choice.dtype == dtype and words in choice.reason
     assert choice.flags == (["--dtype", dtype] if dtype else [])
 
 
 def test_dtype_flags_of_the_presets(tmp_path):
-    from tuner import presets
+    from tuner.models import presets
 
     for name in ("tiny", "llama-3.1-8b"):
         folder = presets.preset_folder(name)
-        assert gpu.dtype_flags(folder, V100) == ["--dtype", "float16"]
-        assert gpu.dtype_flags(folder, H200) == []
-        assert gpu.dtype_flags(folder, V100, ["--dtype", "bfloat16"]) == []
-    assert gpu.dtype_flags(tmp_path / "no-such-model", V100) == []
+        assert devices.dtype_flags(folder, V100) == ["--dtype", "float16"]
+        assert devices.dtype_flags(folder, H200) == []
+        assert devices.dtype_flags(folder, V100, ["--dtype", "bfloat16"]) == []
+    assert devices.dtype_flags(tmp_path / "no-such-model", V100) == []
 
 
 def test_compute_capability_from_nvml(monkeypatch):
     FakeNvml(monkeypatch, FakeGpu(name="Tesla V100-SXM2-16GB", capability=(7, 0)))
-    (v100,) = gpu.gpus()
+    (v100,) = devices.gpus()
     assert v100.compute_capability == (7, 0) and v100.has_bfloat16 is False
 
 
@@ -324,8 +324,8 @@ def test_compute_capability_from_nvml(monkeypatch):
 def test_doctor_shows_the_visible_gpus_their_strangers_and_the_dtype(monkeypatch):
     from tuner.cli import doctor_gpu_lines
     from tuner.config import parse_study
-    from tuner.presets import TINY_MODEL
-    from tuner.study import Platform
+    from tuner.models.presets import TINY_MODEL
+    from tuner.search.study import Platform
 
     FakeNvml(monkeypatch,
              FakeGpu(name="Tesla V100-SXM2-16GB", capability=(7, 0), total=16 * GIB, uuid="GPU-v100"),

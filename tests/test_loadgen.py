@@ -11,11 +11,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tuner import loadgen
-from tuner.loadgen import (Level, PhaseResult, SSEStream, Workload, build_prompts, default_levels,
+from tuner.load import client
+from tuner.load.client import (Level, PhaseResult, SSEStream, Workload, build_prompts, default_levels,
                            load_plan, parse_prometheus, run_load_test, stream_request,
                            ttft_level_name)
-from tuner.metrics import summarize
+from tuner.load.metrics import summarize
 
 MODEL = "fake-model"
 BOS = 1
@@ -198,7 +198,7 @@ def fake():
     server.close()
 
 
-def _request(url: str, payload: bytes = b"{}", **kw) -> loadgen.RequestResult:
+def _request(url: str, payload: bytes = b"{}", **kw) -> client.RequestResult:
     async def go():
         async with aiohttp.ClientSession() as s:
             return await stream_request(s, url, payload, **kw)
@@ -215,7 +215,7 @@ def test_split_lines_comments_crlf_empty_choices_usage_and_done(fake):
 
 
 def test_chat_role_only_first_chunk_is_not_the_first_token(fake):
-    payload = loadgen.request_payload(MODEL, "w10 w11 w12", 3, "chat")
+    payload = client.request_payload(MODEL, "w10 w11 w12", 3, "chat")
     fake.delay = 0.03
     r = _request(fake.base_url + "/v1/chat/completions", payload, chat=True)
     assert r.ok, r.error

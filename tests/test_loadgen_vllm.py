@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.loadgen import Workload, run_load_test
-from tuner.metrics import summarize
+from tuner.load.client import Workload, run_load_test
+from tuner.load.metrics import summarize
 
 pytestmark = pytest.mark.vllm
 

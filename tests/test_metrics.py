@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.loadgen import PhaseResult, RequestResult, Workload
-from tuner.metrics import (LoadMetrics, decode_tok_s, failure_reason, iqr, meets_slos, percentile,
+from tuner.load.client import PhaseResult, RequestResult, Workload
+from tuner.load.metrics import (LoadMetrics, decode_tok_s, failure_reason, iqr, meets_slos, percentile,
                            steady_window, summarize, timings_from_arrivals, tpot_s,
                            window_rate)
 

@@ -16,9 +16,11 @@ from optuna.trial import TrialState
 import faultkit as fk
 import postgres
 from fakes import FAKE_PLATFORM, FakeDevice, FakeGpu, FakeNvml, fake_config
-from tuner import cli, gpu, parallel, space
-from tuner import study as study_module
-from tuner.study import CONSTRAINTS, DIRECTIONS, RequeueOnce, Tuner, make_sampler
+from tuner import cli
+from tuner.run import devices
+from tuner.search import parallel, space
+from tuner.search import study as study_module
+from tuner.search.study import CONSTRAINTS, DIRECTIONS, RequeueOnce, Tuner, make_sampler
 
 SAME = {"gpu_memory_utilization": 0.5, "max_model_len": 1024, "max_num_seqs": 2}
 TRIALS = 5
@@ -46,9 +48,9 @@ def test_worker_argv_drops_the_supervisors_own_options():
 
 @pytest.fixture
 def fresh_nvml():
-    gpu.reset_nvml()
+    devices.reset_nvml()
     yield
-    gpu.reset_nvml()
+    devices.reset_nvml()
 
 
 def four_gpus(monkeypatch) -> FakeNvml:
@@ -106,7 +108,7 @@ def test_gpus_disagreeing_with_parallel_or_the_study_env_are_refused(tmp_path, m
 
 def test_gpus_refused_by_the_real_command_on_this_host(tmp_path, model):
     """Through `python -m tuner` with this host's own NVML (none here: no NVIDIA driver)."""
-    if gpu.all_gpus():
+    if devices.all_gpus():
         pytest.skip("this host has GPUs: the fake-NVML tests above cover the refusals")
     study_file = fk.write_study(tmp_path, fk.fake_engine_study(model, name="gpus"))
     p = subprocess.run([sys.executable, "-m", "tuner", "run", "--study", str(study_file),

@@ -8,7 +8,7 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from tuner import presets
+from tuner.models import presets
 from tuner.errors import TunerError
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from fakes import FakeCurveDevice, fake_config
-from tuner import progress
-from tuner.loadgen import Workload, run_load_test
+from tuner.search import progress
+from tuner.load.client import Workload, run_load_test
 from tuner.records import RequestResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +156,7 @@ def test_request_progress_without_a_run_keeps_its_own_lines(monkeypatch):
 
 
 def test_run_prints_launch_counts_and_eta(tmp_path, capsys):
-    from tuner.study import Tuner
+    from tuner.search.study import Tuner
     from fakes import FAKE_PLATFORM
 
     cfg = fake_config(tmp_path)
@@ -176,7 +176,7 @@ def test_run_in_a_real_terminal_redraws_and_clears(tmp_path):
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         from pathlib import Path
         from fakes import FAKE_PLATFORM, FakeCurveDevice, fake_config
-        from tuner.study import Tuner
+        from tuner.search.study import Tuner
         device = FakeCurveDevice(during=lambda n: time.sleep(1.5))   # the ticker redraws meanwhile
         Tuner(fake_config(Path({str(tmp_path)!r})), measure=device, platform=FAKE_PLATFORM).run(2)
     """)

@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 
 from fakes import TokenizerServer
-from tuner import presets
-from tuner.prompts import PromptError, build_prompts
+from tuner.models import presets
+from tuner.load.prompts import PromptError, build_prompts
 
 pytest.importorskip("transformers")
 

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from conftest import real_vllm
-from tuner import presets
-from tuner.loadgen import endpoint_url, new_session, request_payload, stream_request
-from tuner.prompts import build_prompts
+from tuner.models import presets
+from tuner.load.client import endpoint_url, new_session, request_payload, stream_request
+from tuner.load.prompts import build_prompts
 
 pytestmark = pytest.mark.vllm
 

@@ -16,7 +16,7 @@ def _modules_after(code: str, *flags: str) -> set[str]:
 
 def test_records_import_only_the_standard_library():
     # -S: no site-packages at all, so a third-party import would fail outright
-    loaded = _modules_after("import tuner.records, tuner.plan", "-S")
+    loaded = _modules_after("import tuner.records, tuner.load.plan", "-S")
     third_party = {m.split(".")[0] for m in loaded} - set(sys.stdlib_module_names) - {"tuner", "__main__"}
     assert third_party == set()
 
@@ -24,13 +24,16 @@ def test_records_import_only_the_standard_library():
 def test_reading_a_study_file_loads_no_client():
     loaded = _modules_after("import tuner.config\n"
                             "tuner.config.load_study('tuner/studies/demo.toml')")
-    assert "aiohttp" not in loaded and "tuner.loadgen" not in loaded
+    assert "aiohttp" not in loaded and "tuner.load.client" not in loaded
 
 
 def test_old_homes_still_export_the_records():
-    from tuner import launcher, loadgen, measure, metrics, records, study
+    from tuner.run import process, measure
+    from tuner.load import client, metrics
+    from tuner import records
+    from tuner.search import study
 
-    assert launcher.LaunchSpec is records.LaunchSpec and launcher.Capacity is records.Capacity
-    assert loadgen.Workload is records.Workload and loadgen.PhaseResult is records.PhaseResult
+    assert process.LaunchSpec is records.LaunchSpec and process.Capacity is records.Capacity
+    assert client.Workload is records.Workload and client.PhaseResult is records.PhaseResult
     assert metrics.LoadMetrics is records.LoadMetrics and measure.TrialOutcome is records.TrialOutcome
     assert study.Platform is records.Platform

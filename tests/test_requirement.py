@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tuner import plan, requirement
+from tuner.load import plan
+from tuner.search import requirement
 from tuner.config import parse_study
 from tuner.errors import ConfigError
 from tuner.records import Requirement, Workload
@@ -56,7 +57,7 @@ def test_length_mix_is_seeded_the_same_for_every_call_and_single_stream_stays_fi
 
 
 def test_a_trace_study_resolves_the_shipped_trace_and_draws_only_its_lengths():
-    from tuner.lengths import read_trace
+    from tuner.load.lengths import read_trace
 
     cfg = study(workload={"length_mix": "trace", "length_trace": "example", "max_concurrency": 4})
     pairs = set(read_trace(cfg.workload.length_trace))
@@ -71,8 +72,8 @@ def test_a_bad_mix_names_its_key():
 
 def test_a_kv_cache_short_of_the_required_sequences_violates_the_requirement():
     from tuner.records import Capacity, LaunchFailure, LoadMetrics, TrialOutcome
-    from tuner.space import ServerParams
-    from tuner.study import record_outcome
+    from tuner.search.space import ServerParams
+    from tuner.search.study import record_outcome
 
     cfg = study(requirement={"context_tokens": 16384, "sequences_at_context": 4})
     m = LoadMetrics(single_stream_tok_s=50.0, throughput_tok_s=900.0, ttft_ms=80.0)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 import faultkit as fk
-from tuner import export, report
+from tuner.results import export, report
 from tuner.config import parse_study
-from tuner.launcher import LaunchSpec, ServerProcess, build_argv
-from tuner.space import ServerParams
+from tuner.run.process import LaunchSpec, ServerProcess, build_argv
+from tuner.search.space import ServerParams
 
 TUNER_SRC = fk.REPO / "tuner"
 
@@ -122,7 +122,7 @@ NASTY = ["/models/my model", "/m/it's \"quoted\"", "/m/$(touch PWNED)", "/m/`tou
 @pytest.mark.parametrize("model_path", NASTY)
 def test_exported_script_runs_exactly_the_argv(tmp_path, model_path):
     from fakes import FakeDevice, FAKE_PLATFORM, fake_config
-    from tuner.study import Tuner
+    from tuner.search.study import Tuner
 
     cfg = fake_config(tmp_path)
     study = Tuner(cfg, measure=FakeDevice(), platform=FAKE_PLATFORM, progress=False).run(3)
@@ -184,8 +184,8 @@ def test_without_the_key_the_server_refuses(tmp_path, model):
     spec = LaunchSpec(model=str(model), params=ServerParams(0.5, 1024, 2), engine_cmd=cfg.engine,
                       env=cfg.env + (("VLLM_API_KEY", "server-only"),), launch_timeout_s=30,
                       log_path=str(tmp_path / "server.log"))
-    from tuner.loadgen import Workload
-    from tuner.measure import measure_config
+    from tuner.load.client import Workload
+    from tuner.run.measure import measure_config
 
     outcome = measure_config(spec, Workload(warmup_requests=0, single_stream_requests=1,
                                             throughput_requests=1, output_tokens=2, prompt_tokens=4),

@@ -12,14 +12,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tuner import config, engines, export
+from tuner import config, engines
+from tuner.results import export
 from tuner.engines import sglang
 from tuner.engines.sglang_logs import classify, launch_phases, parse_capacity
 from tuner.errors import ConfigError
-from tuner.launcher import Capacity, LaunchFailure, LaunchSpec, ServerProcess, build_argv
-from tuner.loadgen import parse_prometheus
-from tuner.presets import TINY_MODEL
-from tuner.space import ServerParams
+from tuner.run.process import Capacity, LaunchFailure, LaunchSpec, ServerProcess, build_argv
+from tuner.load.client import parse_prometheus
+from tuner.models.presets import TINY_MODEL
+from tuner.search.space import ServerParams
 
 DATA = Path(__file__).parent / "data" / "sglang"
 REPO = Path(__file__).resolve().parent.parent
@@ -221,7 +222,7 @@ def test_export_rebuilds_the_sglang_command_from_the_trial_s_argv(tmp_path):
 
 
 def test_a_preset_s_random_weights_export_as_its_published_checkpoint(tmp_path, monkeypatch):
-    from tuner import presets
+    from tuner.models import presets
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     folder = presets.cache_dir() / "llama-3.1-8b"

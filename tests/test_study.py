@@ -11,8 +11,8 @@ import pytest
 from optuna.trial import TrialState
 
 from fakes import FAKE_PLATFORM, FakeDevice, RecordingTrial, fake_config
-from tuner import export, report
-from tuner.study import Platform, Tuner, load_existing
+from tuner.results import export, report
+from tuner.search.study import Platform, Tuner, load_existing
 
 
 def run(cfg, device, n):
@@ -254,7 +254,7 @@ def test_balanced_export_ignores_objectives_whose_front_spread_is_noise():
 
 
 def test_configs_equal_on_the_grid_are_one_config(tmp_path):
-    from tuner.study import config_key
+    from tuner.search.study import config_key
 
     cfg = fake_config(tmp_path)
     a = config_key({"gpu_memory_utilization": 0.30000000000000004, "max_model_len": 1024,
@@ -322,15 +322,15 @@ H200 = Platform("cuda", "NVIDIA H200", 141 * 2**30, 4800.0, ("true",), "0.0-fake
 
 @pytest.fixture(scope="module")
 def llama8b(tmp_path_factory):
-    from tuner.feasibility import model_shape
-    from tuner.presets import PRESETS, write_model_folder
+    from tuner.search.feasibility import model_shape
+    from tuner.models.presets import PRESETS, write_model_folder
 
     return model_shape(str(write_model_folder(PRESETS["llama-3.1-8b"], tmp_path_factory.mktemp("8b"))))
 
 
 def _measured(single_stream: float, **params) -> "TrialOutcome":
     from tuner.records import Capacity, LoadMetrics, TrialOutcome
-    from tuner.space import ServerParams
+    from tuner.search.space import ServerParams
 
     capacity = params.pop("capacity", Capacity(kv_cache_tokens=100_000))
     return TrialOutcome(ServerParams(0.9, 4096, 16, **params), capacity=capacity,
@@ -339,7 +339,7 @@ def _measured(single_stream: float, **params) -> "TrialOutcome":
 
 
 def _record(cfg, platform, shape, outcome):
-    from tuner.study import offload_figures, record_outcome
+    from tuner.search.study import offload_figures, record_outcome
 
     t = RecordingTrial()
     values = record_outcome(t, cfg, outcome, offload_figures(cfg, platform, shape, outcome),
@@ -348,7 +348,7 @@ def _record(cfg, platform, shape, outcome):
 
 
 def test_a_single_stream_far_below_its_roofline_is_cpu_offload_a_soft_constraint(tmp_path, llama8b):
-    from tuner.feasibility import kv_dtype_bytes, roofline_tok_s
+    from tuner.search.feasibility import kv_dtype_bytes, roofline_tok_s
 
     cfg = fake_config(tmp_path)
     assert cfg.min_roofline_share == 0.05

@@ -83,7 +83,8 @@ def checked_config(args: argparse.Namespace, values: dict | None = None):
     """The study, its values checked against vLLM's ranges and the model's config.json before any
     launch: `values` (one config, for `measure`) must fit; a searched max_model_len range partly
     over the model's limit is clipped with one warning line."""
-    from tuner import checkpoint, config
+    from tuner.models import checkpoint
+    from tuner import config
 
     cfg = load_config(args)
     if values is not None:
@@ -271,12 +272,13 @@ def parse_ports(text: str) -> range:
 
 
 def cmd_run(args) -> int:
-    from tuner import launcher, parallel
-    from tuner.study import Tuner
+    from tuner.run import process
+    from tuner.search import parallel
+    from tuner.search.study import Tuner
 
     cfg = checked_config(args)
     if args.ports:
-        launcher.PORT_RANGE = parse_ports(args.ports)
+        process.PORT_RANGE = parse_ports(args.ports)
     gpus = parallel.parse_gpus(args.gpus)
     n_workers = args.parallel or max(1, len(gpus))
     if args.worker is None and (n_workers > 1 or gpus):
@@ -295,7 +297,7 @@ def cmd_run(args) -> int:
 
 
 def print_summary(study, cfg) -> None:
-    from tuner import export, report
+    from tuner.results import export, report
 
     df = report.trials_frame(study, cfg.tie_tolerance)
     front, warning = export.offered_front(df, cfg.tie_tolerance)
@@ -315,8 +317,8 @@ def print_summary(study, cfg) -> None:
 
 
 def _study_and_frame(args):
-    from tuner import report
-    from tuner.study import load_existing
+    from tuner.results import report
+    from tuner.search.study import load_existing
 
     cfg = load_config(args)
     study = load_existing(cfg)
@@ -324,8 +326,8 @@ def _study_and_frame(args):
 
 
 def cmd_report(args) -> int:
-    from tuner import report
-    from tuner.study import check_results_dir, load_existing
+    from tuner.results import report
+    from tuner.search.study import check_results_dir, load_existing
 
     cfg = load_config(args)
     study = load_existing(cfg)
@@ -336,7 +338,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from tuner import report
+    from tuner.results import report
 
     cfg, study, df = _study_and_frame(args)
     if df.empty:
@@ -352,7 +354,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from tuner import export
+    from tuner.results import export
 
     cfg, study, df = _study_and_frame(args)
     front, warning = export.offered_front(df, cfg.tie_tolerance)
@@ -375,12 +377,12 @@ def cmd_export(args) -> int:
 def cmd_measure(args) -> int:
     import time
 
-    from tuner import gpu
-    from tuner.launcher import check_engine_cmd
-    from tuner.measure import measure_config
+    from tuner.run import devices
+    from tuner.run.process import check_engine_cmd
+    from tuner.run.measure import measure_config
     from tuner import engines
-    from tuner.space import params_from, scaled
-    from tuner.study import (detect_platform, launch_spec, memory_scale, outcome_dict,
+    from tuner.search.space import params_from, scaled
+    from tuner.search.study import (detect_platform, launch_spec, memory_scale, outcome_dict,
                              resolve_model)
 
     # a bool flag not given is the engine's default (absent), not False
@@ -392,7 +394,7 @@ def cmd_measure(args) -> int:
     model, extra = resolve_model(cfg)
     params = scaled(params_from(values), memory_scale(cfg, platform))
     if platform.kind == "cuda":
-        gpu.check_gpu_free(int(params.gpu_memory_utilization * platform.memory_total_bytes),
+        devices.check_gpu_free(int(params.gpu_memory_utilization * platform.memory_total_bytes),
                            env=cfg.env)
     folder = cfg.results_path / "measure" / time.strftime("%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)
@@ -407,9 +409,9 @@ def cmd_measure(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from tuner.launcher import check_engine_cmd
-    from tuner.checkpoint import resolve_model
-    from tuner.study import check_results_dir, detect_platform, open_storage
+    from tuner.run.process import check_engine_cmd
+    from tuner.models.checkpoint import resolve_model
+    from tuner.search.study import check_results_dir, detect_platform, open_storage
 
     cfg = load_config(args)
     platform = detect_platform(cfg)
@@ -454,7 +456,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from tuner import compare
+    from tuner.results import compare
 
     sides = compare.load_sides(args.study, resolve_study_file)
     if warning := compare.mismatch(sides):
@@ -469,10 +471,10 @@ def cmd_compare(args) -> int:
 def doctor_gpu_lines(cfg, platform, model: str | None, extra_args) -> list[str]:
     """Which GPUs the server will see (CUDA_VISIBLE_DEVICES mapped to NVML), what strangers hold
     on them, and the dtype the model runs with there."""
-    from tuner import gpu
+    from tuner.run import devices
     from tuner.config import read_model_configs
 
-    v = gpu.visibility(cfg.env)
+    v = devices.visibility(cfg.env)
     lines = []
     if v.setting is not None:
         shown = ", ".join(d.label for d in v.devices) or "none"
@@ -487,7 +489,7 @@ def doctor_gpu_lines(cfg, platform, model: str | None, extra_args) -> list[str]:
         lines.append(f"{d.label:<10} cuda:{d.cuda_index}{role} {d.name}: "
                      f"{d.memory_total_bytes / 2**30:.1f} GiB total, "
                      f"{d.memory_free_bytes / 2**30:.1f} GiB free{bw}{cc}")
-        holders = gpu.gpu_processes(d)
+        holders = devices.gpu_processes(d)
         if holders:
             held = sum(p.used_bytes for p in holders) / 2**30
             lines.append(f"           strangers hold {held:.1f} GiB (no trial server is running now):")
@@ -501,6 +503,6 @@ def doctor_gpu_lines(cfg, platform, model: str | None, extra_args) -> list[str]:
                      f"({platform.memory_total_bytes / 2**30:.1f} GiB for the KV cache and model)")
     found = read_model_configs(model) if model else None
     if found is not None:
-        choice = gpu.supported_dtype(v.devices[0] if v.devices else None, found[0], extra_args)
+        choice = devices.supported_dtype(v.devices[0] if v.devices else None, found[0], extra_args)
         lines.append(f"dtype      {choice.dtype or 'auto'}: {choice.reason}")
     return lines

@@ -460,7 +460,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
                     "set [requirement] context_tokens too")
     slo = _take(top.get("slo", {}), {"ttft_ms": float, "tpot_ms": float, "e2e_ms": float,
                                      "min_roofline_share": float}, source, "slo")
-    from tuner.feasibility import MIN_ROOFLINE_SHARE
+    from tuner.search.feasibility import MIN_ROOFLINE_SHARE
 
     min_roofline_share = slo.pop("min_roofline_share", MIN_ROOFLINE_SHARE)
     if not 0 <= min_roofline_share < 1:
@@ -545,7 +545,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     if workload.get("endpoint", "completions") not in ("completions", "chat"):
         raise _fail(source, "workload.endpoint", "must be \"completions\" or \"chat\"")
     wl = replace(Workload(), **workload, **{f"slo_{k}": v for k, v in slo.items()})
-    from tuner.plan import closed_levels
+    from tuner.load.plan import closed_levels
 
     if wl.ttft_level is not None and wl.ttft_level != 1 and wl.ttft_level not in closed_levels(wl):
         raise _fail(source, "workload.ttft_level", f"{wl.ttft_level} is not a load level",
@@ -591,7 +591,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
 
 def _length_mix(workload: dict, source: str) -> None:
     """Check the [workload] length mix in place; a trace's path is resolved and read now."""
-    from tuner.lengths import LENGTH_MIXES, TraceError, check_mix, read_trace, resolve_trace
+    from tuner.load.lengths import LENGTH_MIXES, TraceError, check_mix, read_trace, resolve_trace
 
     kind = workload.get("length_mix", "fixed")
     if kind not in LENGTH_MIXES:

@@ -148,7 +148,7 @@ class SGLang:
     def exported_model(self, model: str) -> tuple[str, str]:
         """A preset's random weights become its published checkpoint (the tiny one stands for no
         model: MODEL); any other folder without weights is MODEL too; a real model is itself."""
-        from tuner import presets
+        from tuner.models import presets
 
         path = Path(model)
         name = model.split(":", 1)[1] if model.startswith("preset:") else (

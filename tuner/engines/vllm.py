@@ -157,12 +157,12 @@ class Vllm:
         return launch_phases(log_text)
 
     def read_defaults(self, engine_cmd, model, extra_args, env=None) -> dict | None:
-        from tuner import vllm_defaults
+        from tuner.engines import vllm_defaults
 
         return vllm_defaults.read_defaults(engine_cmd, model, extra_args, env=env)
 
     def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str):
-        from tuner import feasibility
+        from tuner.search import feasibility
 
         return feasibility.MemoryModel(feasibility.model_shape(model_dir), device_memory_bytes,
                                        platform)

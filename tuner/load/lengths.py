@@ -45,7 +45,7 @@ def read_trace(path: str) -> tuple[tuple[int, int], ...]:
 
 
 def resolve_trace(name: str, study_dir: Path) -> Path:
-    """A trace named in a study: a path (relative to the study file), else one shipped in tuner/traces."""
+    """A trace named in a study: a path (relative to the study file), else one shipped in tuner/load/traces."""
     for candidate in (study_dir / name, TRACES_DIR / name, TRACES_DIR / f"{name}.jsonl"):
         if candidate.is_file():
             return candidate.resolve()

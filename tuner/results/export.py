@@ -10,8 +10,10 @@ from pathlib import PurePath
 
 import pandas as pd
 
-from tuner import engines, presets, space
-from tuner.report import MAXIMIZE, OBJECTIVES
+from tuner import engines
+from tuner.models import presets
+from tuner.search import space
+from tuner.results.report import MAXIMIZE, OBJECTIVES
 
 PREFERENCES = ("balanced", "throughput", "single-stream", "ttft")
 _BY = {"throughput": "throughput_tok_s", "single-stream": "single_stream_tok_s", "ttft": "ttft_ms"}
@@ -57,7 +59,7 @@ def choose(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None = N
 def balanced_objectives(front: pd.DataFrame, noise: dict | None = None,
                         tie_tolerance: float = 0.02) -> list[str]:
     """The objectives `balanced` weighs for this front (those whose spread is beyond the noise)."""
-    from tuner.report import tie_margin
+    from tuner.results.report import tie_margin
 
     runs = front["runs"] if "runs" in front.columns else pd.Series(1, index=front.index)
     runs = runs.fillna(1).astype(int)
@@ -79,7 +81,7 @@ def offered_front(df: pd.DataFrame, tie_tolerance: float = 0.02) -> tuple[pd.Dat
     it (single stream below [slo] min_roofline_share of the roofline), the front of those is
     offered, with a warning that says so.
     """
-    from tuner.report import pareto_mask
+    from tuner.results.report import pareto_mask
 
     front = df[df["pareto"]] if "pareto" in df.columns else df.iloc[0:0]
     if len(front) or df.empty or "failure" not in df.columns:

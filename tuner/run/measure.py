@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from tuner.launcher import ServerProcess
-from tuner.loadgen import run_load_test
-from tuner.metrics import summarize
+from tuner.run.process import ServerProcess
+from tuner.load.client import run_load_test
+from tuner.load.metrics import summarize
 from tuner.records import LaunchFailure, LaunchSpec, TrialOutcome, Workload  # noqa: F401
 
 
@@ -30,7 +30,7 @@ def measure_config(spec: LaunchSpec, workload: Workload, on_started=None,
 
 
 def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
-    from tuner.gpu import PeakMemorySampler
+    from tuner.run.devices import PeakMemorySampler
 
     t0 = time.monotonic()
     with ServerProcess(spec) as server, PeakMemorySampler(env=spec.env) as sampler:
@@ -63,7 +63,7 @@ def died_under_load(log_text: str, exit_code: int, classify,
     """Why a server exited during its load test, from what it logged from `load_started_at` (a
     character offset) on, so startup lines cannot decide it: the launch failure kinds of its
     engine's `classify` (vLLM's: a CUDA OOM is "oom"), else "crashed" with the exit code."""
-    from tuner.launcher import log_tail
+    from tuner.run.process import log_tail
 
     found = classify(log_text[load_started_at:])
     if found is None:

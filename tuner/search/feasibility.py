@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tuner.errors import TunerError
 from tuner.records import Capacity, LaunchFailure
-from tuner.space import ServerParams
+from tuner.search.space import ServerParams
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -691,7 +691,7 @@ def device_memory_bytes(platform: str) -> int:
     """The total memory vLLM sizes gpu-memory-utilization against: NVML's total on cuda; on the
     CPU build NUMA node 0's MemTotal, capped by the cgroup limit (vllm/utils/cpu_resource_utils.py)."""
     if platform == "cuda":
-        from tuner.gpu import gpus
+        from tuner.run.devices import gpus
         found = gpus()
         if not found:
             raise TunerError("no GPU visible to NVML: run with the CPU build or check the driver")

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from tuner.engines.base import log_tail, root_cause as _root_cause
-# vLLM's log knowledge lives in its engine; importers of tuner.launcher still find it here
+# vLLM's log knowledge lives in its engine; importers of tuner.run.process still find it here
 from tuner.engines.vllm_logs import (FAILURE_PATTERNS, FailurePattern, classify,  # noqa: F401
                                      parse_cache_config_info, parse_capacity)
 from tuner.errors import TunerError
-# the records moved to tuner.records; importers of tuner.launcher still find them here
+# the records moved to tuner.records; importers of tuner.run.process still find them here
 from tuner.records import MEMORY_FAILURES, Capacity, LaunchFailure, LaunchSpec  # noqa: F401
 
 

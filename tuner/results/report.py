@@ -204,7 +204,7 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
     """trials.csv, pareto.csv, levels.csv, noise.json, the plots, best-command.sh, report.html."""
     import json
 
-    from tuner import export, html_report
+    from tuner.results import export, html
 
     df = write_trials(study, cfg)
     folder = cfg.results_path
@@ -218,7 +218,7 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
     if len(offered):
         row = export.choose(offered, prefer, df.attrs.get("noise"))
         (folder / "best-command.sh").write_text(export.script(row, study, cfg, warning=warning))
-    html_report.write(study, cfg, df, levels)
+    html.write(study, cfg, df, levels)
     return df
 
 

@@ -13,7 +13,7 @@ import pandas as pd
 from tuner import engines
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
-from tuner.report import LABELS, MAXIMIZE, OBJECTIVES
+from tuner.results.report import LABELS, MAXIMIZE, OBJECTIVES
 
 SHORT = {"single_stream_tok_s": "single-stream tok/s", "throughput_tok_s": "throughput tok/s",
          "ttft_ms": "TTFT p50 ms"}
@@ -63,8 +63,8 @@ def platform_of(df: pd.DataFrame) -> str:
 def load_side(cfg: StudyConfig, label: str) -> Side:
     """Everything the comparison shows of one study. The engine in use must be the study's (as
     `config.load_study` leaves it): the flag table and the export read it."""
-    from tuner import export, report
-    from tuner.study import load_existing
+    from tuner.results import export, report
+    from tuner.search.study import load_existing
 
     engines.use(cfg.engine_name)
     study = load_existing(cfg)
@@ -114,7 +114,7 @@ def load_sides(study_files: list[str], resolve) -> list[Side]:
 
 def workload_key(cfg: StudyConfig) -> dict:
     """What a like-for-like comparison needs equal: the request lengths and the load levels."""
-    from tuner.plan import closed_levels
+    from tuner.load.plan import closed_levels
 
     w = cfg.workload
     return {"prompt_tokens": w.prompt_tokens, "output_tokens": w.output_tokens,

@@ -270,7 +270,7 @@ def summarize(phases, workload) -> LoadMetrics:
     if slo_set:
         meeting = [lv for lv in levels if lv.request_rate is None and lv.meets_slos]
         thr_level = max(meeting, key=lambda lv: lv.concurrency) if meeting else None
-    from tuner.plan import ttft_level_name
+    from tuner.load.plan import ttft_level_name
 
     wanted = ttft_level_name(workload)
     ttft_lv = next((lv for lv in levels if lv.name == wanted), top)

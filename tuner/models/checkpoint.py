@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from tuner import presets
+from tuner.models import presets
 from tuner.errors import HubUnreachable, ModelNotFound
 
 # What vLLM's loaders read (default_loader.py: *.safetensors, *.bin, *.pt; mistral's
@@ -245,8 +245,8 @@ def resolve_model(cfg, fetch: bool = True, quiet: bool = False) -> tuple[str, tu
         if not quiet:
             log_once(f"model {model}: no weights in {path}: served with --load-format dummy "
                      "(random weights; speed and memory are real, the text is not)")
-    from tuner import gpu
+    from tuner.run import devices
 
-    devices = gpu.gpus(dict(cfg.env))
-    extra += gpu.dtype_flags(path, devices[0] if devices else None, extra)
+    gpus = devices.gpus(dict(cfg.env))
+    extra += devices.dtype_flags(path, gpus[0] if gpus else None, extra)
     return path, tuple(extra)

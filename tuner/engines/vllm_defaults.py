@@ -117,6 +117,6 @@ def read_defaults(engine: tuple[str, ...], model: str, extra_args: tuple[str, ..
     return found
 
 
-if __name__ == "__main__":  # python -m tuner.vllm_defaults MODEL [FLAGS...]
+if __name__ == "__main__":  # python -m tuner.engines.vllm_defaults MODEL [FLAGS...]
     print(json.dumps(read_defaults((sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
                                    sys.argv[1], tuple(sys.argv[2:])), indent=2))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tuner.errors import TunerError
 
-PACKAGE_MODELS = Path(__file__).parent / "models"
+PACKAGE_MODELS = Path(__file__).parent   # the embedded models sit beside this module
 TINY_MODEL = PACKAGE_MODELS / "tiny-llama"
 
 CHAT_TEMPLATE = (

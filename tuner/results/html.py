@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from tuner import engines, export, report
+from tuner import engines
+from tuner.results import export, report
 from tuner.config import StudyConfig
-from tuner.report import LABELS, OBJECTIVES
+from tuner.results.report import LABELS, OBJECTIVES
 
 # Columns of each table: (column, header, digits); digits None for text.
 OBJECTIVE_COLUMNS = [("single_stream_tok_s", "single-stream tok/s", 1),

@@ -22,7 +22,10 @@ import optuna
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner import engines, plan, presets, progress, requirement, space
+from tuner import engines
+from tuner.load import plan
+from tuner.models import presets
+from tuner.search import progress, requirement, space
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
 from tuner.records import (Capacity, LaunchFailure, LaunchSpec, LoadMetrics, Platform,  # noqa: F401
@@ -58,14 +61,15 @@ def log(message: str) -> None:
 
 
 def detect_platform(cfg: StudyConfig) -> Platform:
-    from tuner import feasibility, gpu
+    from tuner.run import devices
+    from tuner.search import feasibility
 
     eng = engines.get(cfg.engine_name)
     engine = tuple(cfg.engine) or tuple(eng.default_cmd())
     version = vllm_version() if eng.name == "vllm" else eng.version()
-    devices = gpu.gpus(cfg.env)   # the GPUs the server sees, [0] its own
-    if devices:
-        d = devices[0]
+    gpus = devices.gpus(cfg.env)   # the GPUs the server sees, [0] its own
+    if gpus:
+        d = gpus[0]
         return Platform("cuda", d.name, d.memory_total_bytes, d.memory_bandwidth_gbps, engine,
                         version, pcie_gbps=d.pcie_bandwidth_gbps)
     return Platform("cpu", f"CPU ({eng.label} CPU build)", feasibility.device_memory_bytes("cpu"), None,
@@ -83,7 +87,7 @@ def vllm_version() -> str:
     return ""
 
 
-from tuner.checkpoint import resolve_model  # noqa: E402,F401  (moved; callers import it from here)
+from tuner.models.checkpoint import resolve_model  # noqa: E402,F401  (moved; callers import it from here)
 
 
 def launch_spec(cfg: StudyConfig, platform: Platform, model: str, extra_args: tuple[str, ...],
@@ -325,7 +329,7 @@ def offload_figures(cfg: StudyConfig, platform: Platform, shape, outcome: TrialO
     config's --cpu-offload-gb, searched or fixed in extra_args) are read over PCIe. Empty where
     the bandwidth is unknown (the CPU build) or nothing was measured.
     """
-    from tuner import feasibility
+    from tuner.search import feasibility
     from tuner.config import fixed_flag_values
 
     m = outcome.metrics
@@ -543,10 +547,10 @@ class Tuner:
         self.model, self.extra_args = resolve_model(cfg)
         real = measure is None
         if measure is None:
-            from tuner.launcher import check_engine_cmd
+            from tuner.run.process import check_engine_cmd
 
             check_engine_cmd(self.platform.engine, engines.get(cfg.engine_name).label)
-            from tuner.measure import measure_config
+            from tuner.run.measure import measure_config
             measure = measure_config
         self.measure_is_real = real
         self.measure = measure
@@ -576,7 +580,7 @@ class Tuner:
             return self.memory_model.shape
         if self.platform.bandwidth_gbps is None or not (Path(self.model) / "config.json").exists():
             return None
-        from tuner import feasibility
+        from tuner.search import feasibility
 
         try:
             return feasibility.model_shape(self.model)
@@ -602,7 +606,7 @@ class Tuner:
 
     def vllm_defaults(self) -> tuple[dict, str]:
         """What this vLLM uses on this device with the tuned flags absent, and where that came from."""
-        from tuner import vllm_defaults
+        from tuner.engines import vllm_defaults
 
         fixed = tuple(a for a in self.extra_args)
         read = None
@@ -677,11 +681,11 @@ class Tuner:
             self._recover_interrupted(study)
 
     def _recover_interrupted(self, study: optuna.Study) -> None:
-        from tuner import launcher
+        from tuner.run import process
 
         r = study.user_attrs.get("relaunch_server") or {}
         if r.get("pgid") and r.get("host") == socket.gethostname() and not _alive(r.get("tuner_pid")):
-            killed = launcher.reap_process_group(int(r["pgid"]), f"--port {r.get('port')}")
+            killed = process.reap_process_group(int(r["pgid"]), f"--port {r.get('port')}")
             if killed:
                 log(f"stopped server of an interrupted {r.get('kind')} of trial {r.get('trial')} "
                     f"(pgid {r['pgid']}, pids {', '.join(map(str, killed))})")
@@ -695,7 +699,7 @@ class Tuner:
                 continue  # another tuner's trial, still being worked on
             pgid, port = a.get("server_pgid"), a.get("server_port")
             if pgid:
-                killed = launcher.reap_process_group(int(pgid), f"--port {port}")
+                killed = process.reap_process_group(int(pgid), f"--port {port}")
                 if killed:
                     log(f"stopped server of interrupted trial {t.number} (pgid {pgid}, "
                         f"pids {', '.join(map(str, killed))})")
@@ -924,7 +928,7 @@ class Tuner:
             trial.set_user_attr("server_pgid", server.pgid)
             trial.set_user_attr("server_port", server.port)
 
-        from tuner.gpu import GpuBusy
+        from tuner.run.devices import GpuBusy
 
         try:
             self.check_gpu_free(launch_params)
@@ -964,16 +968,16 @@ class Tuner:
         """Say so before launching when another process holds memory this config needs."""
         if self.platform.kind != "cuda":
             return
-        from tuner import gpu
+        from tuner.run import devices
 
         share = params.gpu_memory_utilization or 0.92
-        gpu.check_gpu_free(int(share * self.platform.memory_total_bytes),
+        devices.check_gpu_free(int(share * self.platform.memory_total_bytes),
                            wait_s=self.cfg.gpu_busy_wait_s, env=dict(self.cfg.env))
 
     def device_memory_bytes(self) -> int:
         """The device total now: on the CPU build it is the memory node's, which moves with the host."""
         if self.platform.kind == "cpu":
-            from tuner import feasibility
+            from tuner.search import feasibility
 
             return feasibility.device_memory_bytes("cpu")
         return self.platform.memory_total_bytes
@@ -990,7 +994,7 @@ class Tuner:
     # -- the loop
 
     def run(self, n_trials: int) -> optuna.Study:
-        from tuner import report
+        from tuner.results import report
 
         study = self.open()
         done = self.launched_count(study)
@@ -1118,7 +1122,7 @@ class Tuner:
         """Relaunch each Pareto member until it has `confirm` more runs. The front is then formed
         from the mean of all runs of each config, and a member whose relaunch failed leaves it, so
         the front can change: repeat for new members (a few rounds at most)."""
-        from tuner import report
+        from tuner.results import report
 
         confirmed: set[int] = set()
         for _ in range(4):
@@ -1187,7 +1191,7 @@ def _alive(pid) -> bool:
     except PermissionError:
         return True
     # A live pid may be a new process reusing the number: it must still be a tuner.
-    from tuner.launcher import _cmdline
+    from tuner.run.process import _cmdline
 
     cmdline = _cmdline(int(pid))
     return "tuner" in cmdline or not cmdline

@@ -62,7 +62,7 @@ def level_lengths(w: Workload, plan: tuple[Level, ...]) -> tuple[tuple[tuple[int
     """
     import random
 
-    from tuner.lengths import draw_lengths
+    from tuner.load.lengths import draw_lengths
 
     rng = random.Random(f"lengths:{w.seed}")
     fixed = (w.prompt_tokens, w.output_tokens)

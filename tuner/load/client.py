@@ -14,9 +14,9 @@ from typing import Any
 
 import aiohttp
 
-from tuner import progress as run_progress
-from tuner.progress import RequestProgress
-from tuner.prompts import build_prompts, build_prompts_of_lengths  # noqa: F401 - re-exported: callers import it from here
+from tuner.search import progress as run_progress
+from tuner.search.progress import RequestProgress
+from tuner.load.prompts import build_prompts, build_prompts_of_lengths  # noqa: F401 - re-exported: callers import it from here
 
 try:  # a vLLM dependency; typed decoding skips unknown fields and is several times faster than json
     import msgspec
@@ -27,8 +27,8 @@ try:  # also a vLLM dependency; its event loop roughly halves the client's CPU p
 except ImportError:  # pragma: no cover
     uvloop = None
 
-# the records and the load plan moved out (tuner.records, tuner.plan); importers still find them here
-from tuner.plan import closed_levels, default_levels, level_lengths, load_plan, ttft_level_name  # noqa: F401,E402
+# the records and the load plan moved out (tuner.records, tuner.load.plan); importers still find them here
+from tuner.load.plan import closed_levels, default_levels, level_lengths, load_plan, ttft_level_name  # noqa: F401,E402
 from tuner.records import Level, PhaseResult, RequestResult, Workload  # noqa: F401,E402
 
 

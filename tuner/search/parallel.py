@@ -10,7 +10,7 @@ import threading
 import time
 from typing import TextIO
 
-from tuner import progress
+from tuner.search import progress
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
 
@@ -37,9 +37,9 @@ def parse_gpus(text: str | None) -> list[str]:
 def check_gpus(slots: list[str]) -> None:
     """Each --gpus entry names one device NVML sees on this host, and no two the same device: a
     worker whose CUDA_VISIBLE_DEVICES named nothing would run vLLM's CPU build, or fail late."""
-    from tuner import gpu
+    from tuner.run import devices
 
-    every = gpu.all_gpus()
+    every = devices.all_gpus()
     text = ",".join(slots)
     if not every:
         raise TunerError(f"--gpus {text}: NVML sees no GPU on this host (no NVIDIA driver, or "
@@ -47,7 +47,7 @@ def check_gpus(slots: list[str]) -> None:
     known = ", ".join(f"{g.index} ({g.name})" for g in every)
     taken: dict[tuple, str] = {}
     for slot in slots:
-        v = gpu.visibility({"CUDA_VISIBLE_DEVICES": slot})
+        v = devices.visibility({"CUDA_VISIBLE_DEVICES": slot})
         if len(v.devices) != 1:
             why = v.note.removeprefix(f"CUDA_VISIBLE_DEVICES entry {slot!r} ").split(":")[0]
             raise TunerError(f"--gpus {text}: {slot!r} {why or 'names no GPU'}; this host's GPUs "
@@ -101,8 +101,8 @@ def run(cfg: StudyConfig, argv: list[str], n_workers: int, n_trials: int, gpus: 
     """Prepare the study once (create it, queue the baselines, stop what a killed run left), start
     the workers, and wait for them; when one dies, stop its server and queue its trial again (the
     others finish it). The study, once every worker has ended."""
-    from tuner import report
-    from tuner.study import Tuner
+    from tuner.results import report
+    from tuner.search.study import Tuner
 
     if gpus and "CUDA_VISIBLE_DEVICES" in dict(cfg.env):
         raise TunerError("--gpus and the study's [server] env CUDA_VISIBLE_DEVICES both choose the "

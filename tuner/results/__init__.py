@@ -1,0 +1,1 @@
+"""What a study leaves: the trials frame, the front, plots, report.html, the exported command, comparisons."""

@@ -1,0 +1,1 @@
+"""Where a trial's server runs: the engine-neutral process lifecycle, the devices it sees, one measured config."""
