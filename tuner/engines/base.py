@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 from dataclasses import dataclass
@@ -127,6 +128,23 @@ class TokenizerApi:
             return answer.get(self.count_key)
         tokens = answer.get("tokens")
         return len(tokens) if isinstance(tokens, list) else None
+
+
+class LogsInModule:
+    """For an engine whose log knowledge is a sibling module (`logs_module`) with classify,
+    parse_capacity and launch_phases: each method imports it on first use, so reading a study file
+    never loads the patterns."""
+
+    logs_module: str = ""
+
+    def classify(self, log_text: str):
+        return importlib.import_module(self.logs_module).classify(log_text)
+
+    def parse_capacity(self, log_text: str, metrics_text: str = "", ready_s: float = 0.0):
+        return importlib.import_module(self.logs_module).parse_capacity(log_text, metrics_text, ready_s)
+
+    def launch_phases(self, log_text: str) -> dict[str, float]:
+        return importlib.import_module(self.logs_module).launch_phases(log_text)
 
 
 class Engine(Protocol):

@@ -14,7 +14,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from tuner.engines.base import Flag, TokenizerApi, flag_argv
+from tuner.engines.base import Flag, LogsInModule, TokenizerApi, flag_argv
 from tuner.errors import TunerError
 
 # The searchable flags, in command-line order, in SGLang's words. Their vLLM counterparts:
@@ -86,8 +86,10 @@ def has_weights(model: str) -> bool:
     return any(next(path.glob(p), None) is not None for p in _WEIGHT_FILES)
 
 
-class SGLang:
+class SGLang(LogsInModule):
     """SGLang's OpenAI-compatible server (`python -m sglang.launch_server`)."""
+
+    logs_module = "tuner.engines.sglang_logs"
 
     name = "sglang"
     label = "SGLang"
@@ -180,21 +182,6 @@ class SGLang:
             return importlib.metadata.version("sglang")
         except importlib.metadata.PackageNotFoundError:
             return ""
-
-    def classify(self, log_text: str):
-        from tuner.engines.sglang_logs import classify
-
-        return classify(log_text)
-
-    def parse_capacity(self, log_text: str, metrics_text: str = "", ready_s: float = 0.0):
-        from tuner.engines.sglang_logs import parse_capacity
-
-        return parse_capacity(log_text, metrics_text, ready_s)
-
-    def launch_phases(self, log_text: str) -> dict[str, float]:
-        from tuner.engines.sglang_logs import launch_phases
-
-        return launch_phases(log_text)
 
     def read_defaults(self, engine_cmd, model, extra_args, env=None) -> dict | None:
         return None   # SGLang's defaults come from the device's memory at launch; not read here

@@ -7,7 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from tuner.engines.base import Flag, TokenizerApi, flag_argv
+from tuner.engines.base import Flag, LogsInModule, TokenizerApi, flag_argv
 
 # vLLM 0.32's CacheDType (vllm/config/cache.py); a value outside it fails vLLM's pydantic check
 # only after a 20-40 s start, so it is refused before launch. A newer vLLM may add names: extend it.
@@ -67,8 +67,10 @@ TOKENIZER_API = TokenizerApi(text_key="prompt", special_key="add_special_tokens"
                              detokenized_key="prompt", chat_messages=True)
 
 
-class Vllm:
+class Vllm(LogsInModule):
     """vLLM's OpenAI-compatible server (`vllm serve`, or `python -m vllm.entrypoints.openai.api_server`)."""
+
+    logs_module = "tuner.engines.vllm_logs"
 
     name = "vllm"
     label = "vLLM"
@@ -140,21 +142,6 @@ class Vllm:
     def served_model(self, model: str) -> str:
         """The model as the server is given it (vLLM reads the folder itself)."""
         return model
-
-    def classify(self, log_text: str):
-        from tuner.engines.vllm_logs import classify
-
-        return classify(log_text)
-
-    def parse_capacity(self, log_text: str, metrics_text: str = "", ready_s: float = 0.0):
-        from tuner.engines.vllm_logs import parse_capacity
-
-        return parse_capacity(log_text, metrics_text, ready_s)
-
-    def launch_phases(self, log_text: str) -> dict[str, float]:
-        from tuner.engines.vllm_logs import launch_phases
-
-        return launch_phases(log_text)
 
     def read_defaults(self, engine_cmd, model, extra_args, env=None) -> dict | None:
         from tuner.engines import vllm_defaults
