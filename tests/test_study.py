@@ -253,6 +253,62 @@ def test_balanced_export_ignores_objectives_whose_front_spread_is_noise():
     assert export.balanced_objectives(front, None, 0.0) == list(report.OBJECTIVES)
 
 
+def test_ties_widen_by_students_t_when_the_noise_rests_on_few_replicates():
+    assert report.noise_z(2) == pytest.approx(4.30) and report.noise_z(5) == pytest.approx(2.57)
+    assert report.noise_z(11) == report.noise_z(10) and report.noise_z(500) == pytest.approx(1.96)
+    few = {"throughput_tok_s": {"cv": 0.05, "dof": 2, "configs": 1}}
+    many = {"throughput_tok_s": {"cv": 0.05, "dof": 40, "configs": 20}}
+    # 1,000 against 1,200 tok/s, one launch each: 20 % apart, 0.05 * 1562 = 78 tok/s standard error
+    wide = report.tie_margin("throughput_tok_s", 1000.0, 1200.0, 1, 1, few, 0.02)
+    narrow = report.tie_margin("throughput_tok_s", 1000.0, 1200.0, 1, 1, many, 0.02)
+    assert wide > 200 > narrow                   # a tie on 2 degrees of freedom, a difference on 40
+    assert narrow == pytest.approx(2.04 * 0.05 * (1000.0 ** 2 + 1200.0 ** 2) ** 0.5)
+
+
+def _tied_front(defaults: dict) -> pd.DataFrame:
+    front = pd.DataFrame({
+        "trial": [3, 0, 5, 7],
+        "gpu_memory_utilization": [0.12, 0.20, 0.20, 0.08],
+        "max_model_len": [4096, 32768, 4096, 1024],
+        "max_num_seqs": [32, 32, 32, 16],
+        "runs": [1, 2, 1, 1],
+        "single_stream_tok_s": [101.0, 99.0, 100.0, 102.0],
+        "throughput_tok_s": [196.0, 190.0, 188.0, 120.0],   # trial 7 is beaten beyond the noise
+        "ttft_ms": [2680.0, 2890.0, 2800.0, 2500.0]})
+    front.attrs["defaults"] = defaults
+    return front
+
+
+def test_export_takes_the_config_closest_to_the_defaults_among_those_that_tie():
+    noise = {k: {"cv": 0.05, "dof": 4, "configs": 2} for k in report.OBJECTIVES}
+    defaults = {"gpu_memory_utilization": 0.20, "max_model_len": 32768, "max_num_seqs": 32}
+    front = _tied_front(defaults)
+    # the best throughput is trial 3, but trials 0 and 5 tie with it on every objective; trial 0
+    # is the defaults baseline itself, so the command changes nothing that did not measure better
+    assert set(export.ties_with(front, front.iloc[0], noise)["trial"]) == {3, 0, 5}
+    assert int(export.choose(front, "throughput", noise)["trial"]) == 0
+    assert int(export.choose(front, "balanced", noise)["trial"]) == 0
+    # without the defaults among them, the one that differs in fewer flags (trial 5: only
+    # max_model_len) wins over trial 3 (two flags)
+    rest = front[front["trial"] != 0]
+    assert int(export.choose(rest, "throughput", noise)["trial"]) == 5
+    # a config better beyond the noise is never traded for a simpler one
+    sure = {k: {"cv": 0.001, "dof": 40, "configs": 20} for k in report.OBJECTIVES}
+    assert int(export.choose(front, "throughput", sure, 0.0)["trial"]) == 3
+    # a study with no defaults baseline keeps the preference's own pick
+    bare = _tied_front({})
+    assert int(export.choose(bare, "throughput", noise)["trial"]) == 3
+
+
+def test_the_frame_names_the_defaults_baselines_values(tmp_path):
+    cfg = fake_config(tmp_path)
+    study = run(cfg, FakeDevice(), 3)
+    df = report.trials_frame(study)
+    first = next(t for t in study.trials if t.user_attrs.get("baseline") == "vllm-defaults")
+    assert df.attrs["defaults"] == first.params and df.attrs["defaults"]
+    assert df[df["pareto"]].attrs["defaults"] == first.params   # a slice keeps it
+
+
 def test_configs_equal_on_the_grid_are_one_config(tmp_path):
     from tuner.search.study import config_key
 

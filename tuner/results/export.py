@@ -53,7 +53,67 @@ def choose(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None = N
         s = (v - v.min()) / span if span > 0 else pd.Series(1.0, index=v.index)
         score += s if MAXIMIZE[k] else 1 - s
     best = score.max()
-    return front[score == best].sort_values("trial").iloc[0]
+    pick = front[score == best].sort_values("trial").iloc[0]
+    return simplest_tie(front, pick, noise, tie_tolerance)
+
+
+def ties_with(front: pd.DataFrame, pick: pd.Series, noise: dict | None = None,
+              tie_tolerance: float = 0.02) -> pd.DataFrame:
+    """The members of `front` whose every objective is within the noise of `pick`'s (pick too)."""
+    from tuner.results.report import tie_margin
+
+    def runs(row) -> int:
+        return int(row["runs"]) if "runs" in row and pd.notna(row["runs"]) else 1
+
+    keep = []
+    for i, row in front.iterrows():
+        keep.append(all(
+            abs(float(row[k]) - float(pick[k])) <= tie_margin(k, float(row[k]), float(pick[k]),
+                                                              runs(row), runs(pick), noise,
+                                                              tie_tolerance)
+            for k in OBJECTIVES))
+    return front[keep]
+
+
+def distance_from_defaults(row: pd.Series, defaults: dict | None) -> tuple[int, float]:
+    """(flags that differ from the defaults baseline's values, their summed relative difference)."""
+    differ, far = 0, 0.0
+    for name, default in (defaults or {}).items():
+        if name not in row or pd.isna(row[name]) or default is None:
+            continue
+        try:
+            a, b = float(row[name]), float(default)
+        except (TypeError, ValueError):   # a categorical flag (kv_cache_dtype "auto", ...)
+            if str(row[name]) != str(default):
+                differ, far = differ + 1, far + 1.0
+            continue
+        if abs(a - b) > 1e-9 * max(abs(a), abs(b), 1.0):
+            differ += 1
+            far += abs(a - b) / max(abs(a), abs(b))
+    return differ, far
+
+
+def simplest_tie(front: pd.DataFrame, pick: pd.Series, noise: dict | None = None,
+                 tie_tolerance: float = 0.02) -> pd.Series:
+    """Among the front members that tie with `pick` on every objective, the one that changes the
+    fewest of the engine's defaults (then the least far from them, then the most runs, then the
+    first measured). Which configs a seed happened to sample then no longer picks the command:
+    a flag whose values all measured the same is left where the defaults baseline has it.
+    `front.attrs["defaults"]` holds that baseline's values (set by report.trials_frame)."""
+    defaults = front.attrs.get("defaults")
+    if not defaults:
+        return pick
+    tied = ties_with(front, pick, noise, tie_tolerance)
+    if len(tied) <= 1:
+        return pick
+
+    def order(item):
+        _, row = item
+        differ, far = distance_from_defaults(row, defaults)
+        runs = int(row["runs"]) if "runs" in row and pd.notna(row["runs"]) else 1
+        return differ, far, -runs, int(row["trial"])
+
+    return min(tied.iterrows(), key=order)[1]
 
 
 def balanced_objectives(front: pd.DataFrame, noise: dict | None = None,

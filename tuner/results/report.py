@@ -36,9 +36,21 @@ SKIPPED = ("duplicate",)
 
 # ---------------------------------------------------------------- the DataFrame
 
-# A difference counts only beyond NOISE_Z standard errors of the difference of two means, each
-# from the launch-to-launch noise measured on replicate launches (about 95 % for NOISE_Z = 2).
-NOISE_Z = 2.0
+# A difference counts only beyond noise_z(dof) standard errors of the difference of two means,
+# each from the launch-to-launch noise measured on replicate launches: Student's t two-sided 95 %
+# quantile for the degrees of freedom the noise was estimated from. A noise read off two replicate
+# pairs is itself uncertain, so ties stay wide until replicates (`--confirm`) pin it down.
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
+         10: 2.23, 12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04, 60: 2.00}
+NOISE_Z = 1.96   # the limit of many degrees of freedom
+
+
+def noise_z(dof: int | None) -> float:
+    """Student's t 97.5 % quantile at `dof` degrees of freedom (the table's next lower entry)."""
+    if not dof or dof < 1:
+        return _T975[1]
+    below = [d for d in _T975 if d <= dof]
+    return _T975[max(below)] if dof <= 60 else NOISE_Z
 LEVEL_COLUMNS = ("throughput_tok_s", "ttft_ms", "ttft_ms_p90", "tpot_ms", "e2e_ms_p90", "steady")
 
 
@@ -104,7 +116,17 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
     rest = [c for c in df.columns if c not in first]
     df = df[first + rest].sort_values("trial").reset_index(drop=True)
     df.attrs["noise"] = noise
+    df.attrs["defaults"] = defaults_point(study)
     return df
+
+
+def defaults_point(study) -> dict:
+    """The searched flags' values of the defaults baseline (vLLM's defaults snapped into the
+    space), {} when the study has none; export prefers it among configs that tie."""
+    for t in study.get_trials(deepcopy=False):
+        if t.user_attrs.get("baseline") == "vllm-defaults" and t.params:
+            return dict(t.params)
+    return {}
 
 
 def level_columns(levels: list[dict]) -> dict:
@@ -138,9 +160,11 @@ def tie_margin(key: str, a: float, b: float, na: int, nb: int, noise: dict | Non
                tie_tolerance: float) -> float:
     """The difference between two configs' means of objective `key` that is still a tie."""
     margin = tie_tolerance * max(abs(a), abs(b))
-    cv = (noise or {}).get(key, {}).get("cv")
+    measured = (noise or {}).get(key, {})
+    cv = measured.get("cv")
     if cv:
-        margin = max(margin, NOISE_Z * cv * math.sqrt(a * a / max(na, 1) + b * b / max(nb, 1)))
+        z = noise_z(measured.get("dof"))
+        margin = max(margin, z * cv * math.sqrt(a * a / max(na, 1) + b * b / max(nb, 1)))
     return margin
 
 
@@ -149,7 +173,7 @@ def pareto_mask(df: pd.DataFrame, tie_tolerance: float, noise: dict | None = Non
 
     a dominates b when a is nowhere worse than b by more than the tie margin and somewhere better
     by more than it. The margin per objective is the larger of `tie_tolerance` times the value and
-    NOISE_Z standard errors of the difference of the two means, from the measured launch-to-launch
+    noise_z(dof) standard errors of the difference of the two means, from the measured launch-to-launch
     noise and each config's number of runs. A config whose relaunch failed is not on the front.
     """
     feasible = df["feasible"].astype(bool) & df[list(OBJECTIVES)].notna().all(axis=1)
@@ -216,7 +240,7 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
     (folder / "noise.json").write_text(json.dumps(df.attrs.get("noise", {}), indent=2) + "\n")
     plot_all(df, folder, title=cfg.name, levels=levels)
     if len(offered):
-        row = export.choose(offered, prefer, df.attrs.get("noise"))
+        row = export.choose(offered, prefer, df.attrs.get("noise"), cfg.tie_tolerance)
         (folder / "best-command.sh").write_text(export.script(row, study, cfg, warning=warning))
     html.write(study, cfg, df, levels)
     return df
@@ -404,7 +428,8 @@ def describe_noise(noise: dict | None) -> str:
     parts = [f"{k} {v['cv'] * 100:.1f} %" for k, v in noise.items()]
     dof = max(v["dof"] for v in noise.values())
     return (f"launch-to-launch noise (coefficient of variation, {dof} degrees of freedom): "
-            + ", ".join(parts) + f"; differences within {NOISE_Z:g} standard errors are ties")
+            + ", ".join(parts) + f"; differences within {noise_z(dof):.2f} standard errors (Student's t) "
+            "are ties" + ("; `run --confirm 1` relaunches the front to narrow them" if dof < 6 else ""))
 
 
 LAUNCH_PHASE_COLUMNS = ("launch_weights_s", "launch_compile_s", "launch_profile_s", "launch_graphs_s",
