@@ -6,8 +6,9 @@ into its own storage and results folder, then prints for each run:
   (a) the feasible config with the highest mean throughput, and whether it is on the front; if
       not, the front member whose throughput is within the measured noise of it (the only way it
       may be left out);
-  (b) across the two runs: the front configs of each, which of them the other run measured too and
-      whether their figures agree within the noise, and the exported command of each.
+  (b) across the two runs: for each front member, the members of the other run's front whose
+      figures tie with it on every objective (the pooled noise of both runs), whether the other
+      run measured that config too, and the exported command (balanced) of each.
 
   .venv/bin/python bench/front_stability.py --trials 12 --seeds 1 2 [--out DIR]   # ~30-60 min on 2 cores
 
@@ -75,6 +76,26 @@ def check_top_is_on_front(df) -> str:
     return line + "off the front and no member within the noise: FAIL"
 
 
+def pooled_noise(*noises: dict | None) -> dict:
+    """The runs' launch-to-launch noise pooled per objective (cv² weighted by degrees of freedom)."""
+    out = {}
+    for k in report.OBJECTIVES:
+        parts = [n[k] for n in noises if n and k in n]
+        dof = sum(p["dof"] for p in parts)
+        if dof:
+            cv = (sum(p["cv"] ** 2 * p["dof"] for p in parts) / dof) ** 0.5
+            out[k] = {"cv": cv, "dof": dof, "configs": sum(p["configs"] for p in parts)}
+    return out
+
+
+def counterparts(member, front, noise: dict) -> list:
+    """The rows of `front` whose every objective ties with `member`'s (the same config or not)."""
+    return [o for _, o in front.iterrows() if all(
+        abs(float(member[k]) - float(o[k])) <= report.tie_margin(
+            k, float(member[k]), float(o[k]), int(member.get("runs", 1)), int(o.get("runs", 1)),
+            noise, 0.02) for k in report.OBJECTIVES)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", default="demo")
@@ -100,23 +121,24 @@ def main() -> int:
         print("(a) " + check_top_is_on_front(df))
     if len(frames) >= 2:
         (sa, (ca, stud_a, a)), (sb, (cb, stud_b, b)) = list(frames.items())[:2]
-        noise = a.attrs.get("noise") or b.attrs.get("noise")
-        print(f"\n(b) seed {sa} against seed {sb}")
+        noise = pooled_noise(a.attrs.get("noise"), b.attrs.get("noise"))
+        print(f"\n(b) seed {sa} against seed {sb}; pooled {report.describe_noise(noise)}")
+        matched = True
         for label, x, y in ((f"seed {sa}", a, b), (f"seed {sb}", b, a)):
             for _, m in x[x["pareto"]].iterrows():
+                twins = counterparts(m, y[y["pareto"]], noise)
                 same = y[(y["gpu_memory_utilization"] == m["gpu_memory_utilization"])
                          & (y["max_model_len"] == m["max_model_len"])
-                         & (y["max_num_seqs"] == m["max_num_seqs"])]
-                if same.empty or same["throughput_tok_s"].isna().all():
-                    print(f"  {label} front {params_of(m)}: not measured by the other run")
-                    continue
-                o = same.iloc[0]
-                agree = all(abs(float(m[k]) - float(o[k])) <= report.tie_margin(
-                    k, float(m[k]), float(o[k]), int(m.get("runs", 1)), int(o.get("runs", 1)),
-                    noise, 0.02) for k in report.OBJECTIVES)
-                print(f"  {label} front {params_of(m)}: other run has it "
-                      f"{'on' if o['pareto'] else 'off'} its front; figures "
-                      f"{'agree' if agree else 'differ'} within the noise")
+                         & (y["max_num_seqs"] == m["max_num_seqs"])
+                         & y["throughput_tok_s"].notna()]
+                measured = ("not measured by the other run" if same.empty else
+                            f"the other run has it {'on' if same.iloc[0]['pareto'] else 'off'} its front")
+                matched &= bool(twins)
+                print(f"  {label} front {params_of(m)}: {measured}; "
+                      + (f"counterpart within the noise on every objective: "
+                         + ", ".join(params_of(t) for t in twins) if twins
+                         else "no member of the other front within the noise: differs"))
+        print(f"  every front member has a counterpart within the noise: {'PASS' if matched else 'FAIL'}")
         cmds = []
         for seed, (cfg, study, df) in frames.items():
             front = df[df["pareto"]]
@@ -126,7 +148,7 @@ def main() -> int:
             row = export.choose(front, "balanced", df.attrs.get("noise"), cfg.tie_tolerance)
             cmds.append(export.command(row, study, cfg))
             print(f"  exported (balanced), seed {seed}: {cmds[-1]}")
-        print(f"  same exported command: {'yes' if len(set(cmds)) == 1 else 'no'}")
+        print(f"  same exported command: {'PASS' if len(set(cmds)) == 1 else 'FAIL'}")
     return 0
 
 

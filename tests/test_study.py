@@ -298,6 +298,11 @@ def test_export_takes_the_config_closest_to_the_defaults_among_those_that_tie():
     # a study with no defaults baseline keeps the preference's own pick
     bare = _tied_front({})
     assert int(export.choose(bare, "throughput", noise)["trial"]) == 3
+    # the export says why it did not take the preference's own pick, and only then
+    why = export.choice_note(front, export.choose(front, "throughput", noise), "throughput", noise)
+    assert why.startswith("trials 0, 3, 5 tie within the noise with trial 3 (the throughput pick)")
+    assert why.endswith("trial 0 changes the fewest flags from the defaults baseline (0)")
+    assert export.choice_note(bare, export.choose(bare, "throughput", noise), "throughput", noise) == ""
 
 
 def test_the_frame_names_the_defaults_baselines_values(tmp_path):

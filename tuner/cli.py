@@ -200,7 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "The command is the argv the trial ran: its fixed flags and --host, no --port "
                      "(vLLM's 8000),\n`vllm serve MODEL`, and under a memory budget the value for "
                      "a card of the budget's size.\nA preset's dummy weights become the model it "
-                     "stands for. Notes go to stderr and best-command.sh.\n")
+                     "stands for. Notes go to stderr and best-command.sh.\nAmong the front "
+                     "members that tie with the preference's pick on every objective (within the "
+                     "measured\nnoise), the one that changes the fewest of vLLM's defaults is "
+                     "exported; a note names the others.\n")
     export.add_argument("--prefer", choices=("balanced", "throughput", "single-stream", "ttft"),
                         default="balanced", help="which Pareto config to pick (default balanced)")
     export.add_argument("--json", action="store_true", help="print the params as JSON instead")
@@ -362,6 +365,8 @@ def cmd_export(args) -> int:
         raise TunerError(f"study {cfg.name} has no feasible measured config yet: run more trials")
     row = export.choose(front, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance)
     exported = export.exported(row, study, cfg, keep_dummy=args.keep_dummy, warning=warning)
+    if why := export.choice_note(front, row, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance):
+        print(f"# {why}", file=sys.stderr)
     for note in exported.notes:
         print(f"# {note}", file=sys.stderr)
     if args.json:

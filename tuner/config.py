@@ -91,7 +91,7 @@ class StudyConfig:
     sampler: str = "auto"
     seed: int | None = None
     confirm: int = 0                          # relaunch each front member K times at the end
-    replicates: int = 1                       # relaunch each baseline this often: the measured noise
+    replicates: int = 2                       # relaunch each baseline this often: the measured noise
     gpu_busy_wait_s: float = 120.0            # wait this long for a busy GPU, then skip the config
     use_memory_model: bool = True
     tie_tolerance: float = 0.02               # relative differences below this are ties on the front
@@ -567,7 +567,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     confirm = overrides.get("confirm", study.get("confirm", 0))
     if confirm < 0:
         raise _fail(source, "study.confirm", f"must be >= 0, got {confirm}")
-    replicates = overrides.get("replicates", study.get("replicates", 1))
+    replicates = overrides.get("replicates", study.get("replicates", 2))
     if replicates < 0:
         raise _fail(source, "study.replicates", f"must be >= 0, got {replicates}")
     busy_wait = server.get("gpu_busy_wait_s", 120.0)

@@ -30,6 +30,36 @@ _PASSED_THROUGH = ("VLLM_API_KEY",)
 
 def choose(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None = None,
            tie_tolerance: float = 0.02) -> pd.Series:
+    """The Pareto row an export takes: the preference's pick (`preferred`), or among the members
+    that tie with it on every objective, the one closest to the defaults (`simplest_tie`)."""
+    front = _meeting_requirement(front)
+    pick = preferred(front, prefer, noise, tie_tolerance)
+    return simplest_tie(front, pick, noise, tie_tolerance)
+
+
+def choice_note(front: pd.DataFrame, row: pd.Series, prefer: str = "balanced",
+                noise: dict | None = None, tie_tolerance: float = 0.02) -> str:
+    """One line on why `row` was taken when the preference alone picked another member ("" if not)."""
+    front = _meeting_requirement(front)
+    pick = preferred(front, prefer, noise, tie_tolerance)
+    if int(pick["trial"]) == int(row["trial"]):
+        return ""
+    tied = ties_with(front, pick, noise, tie_tolerance)
+    differ, _ = distance_from_defaults(row, front.attrs.get("defaults"))
+    return (f"trials {', '.join(str(int(t)) for t in sorted(tied['trial']))} tie within the noise "
+            f"with trial {int(pick['trial'])} (the {prefer} pick) on every objective; trial "
+            f"{int(row['trial'])} changes the fewest flags from the defaults baseline ({differ})")
+
+
+def _meeting_requirement(front: pd.DataFrame) -> pd.DataFrame:
+    if "constraint_requirement" in front.columns:
+        # never a config below the user's requirement, whatever frame the caller passed
+        front = front[~(front["constraint_requirement"].astype(float) > 0)]
+    return front
+
+
+def preferred(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None = None,
+              tie_tolerance: float = 0.02) -> pd.Series:
     """The Pareto row a preference picks (objective columns are means over every run of a config).
 
     throughput / single-stream / ttft: the best on that objective. balanced: the best sum of the
@@ -37,9 +67,7 @@ def choose(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None = N
     front is beyond the measured noise (a spread inside it would let noise pick the command); when
     no objective is, every member is a tie and the highest throughput wins.
     """
-    if "constraint_requirement" in front.columns:
-        # never a config below the user's requirement, whatever frame the caller passed
-        front = front[~(front["constraint_requirement"].astype(float) > 0)]
+    front = _meeting_requirement(front)
     if front.empty:
         raise ValueError("empty Pareto set")
     if prefer in _BY:
@@ -53,8 +81,7 @@ def choose(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None = N
         s = (v - v.min()) / span if span > 0 else pd.Series(1.0, index=v.index)
         score += s if MAXIMIZE[k] else 1 - s
     best = score.max()
-    pick = front[score == best].sort_values("trial").iloc[0]
-    return simplest_tie(front, pick, noise, tie_tolerance)
+    return front[score == best].sort_values("trial").iloc[0]
 
 
 def ties_with(front: pd.DataFrame, pick: pd.Series, noise: dict | None = None,
