@@ -323,3 +323,22 @@ def test_plot_text_is_escaped_in_the_inline_svg():
     assert svg.startswith("<svg") and "<img" not in svg and "<script" not in svg
     assert "&lt;img src=x" in svg
     assert 'id="t-' in svg and "<metadata>" not in svg
+
+
+def test_every_failure_kind_an_engine_or_the_study_names_has_a_meaning():
+    """The report's failure list explains each kind to a reader who has not read the engine's
+    logs: every kind in the three engines' log tables, the study's own, and X_under_load."""
+    import re
+
+    from tuner.engines import llamacpp, sglang_logs, vllm_logs
+
+    kinds = {p.kind for p in vllm_logs.FAILURE_PATTERNS}
+    kinds |= {k for k, _ in llamacpp._FAILURES} | {k for k, _ in sglang_logs._FAILURES}
+    source = "".join(p.read_text() for p in Path(html.__file__).parent.parent.rglob("*.py"))
+    kinds |= set(re.findall(r'set_user_attr\("failure", "([a-z_]+)"', source))
+    kinds |= set(re.findall(r'\["failure"\] = "([a-z_]+)"', source))
+    kinds |= {"crashed", "startup_timeout"}
+    missing = sorted(k for k in kinds if not html.failure_meaning(k))
+    assert not missing, missing
+    assert html.failure_meaning("oom_under_load").startswith(html.FAILURE_MEANING["oom"])
+    assert "under load" in html.failure_meaning("crashed_under_load")

@@ -45,7 +45,23 @@ FAILURE_MEANING = {
     "interrupted": "the run was stopped during this trial; the config was queued again",
     "tuner_error": "a fault of the tuner itself",
     "duplicate": "a repeat of a measured config (not launched)",
+    "crashed": "the server exited during the launch (its log's last error is kept)",
+    "model_load": "the engine could not load the model (missing or unreadable weights, bad config)",
+    "port_in_use": "the server could not bind its port (another process held it)",
+    "context_too_long": "the context asked for is longer than the model or the KV pool allows",
+    "requirement_not_met": "measured, but below the study's [requirement] (context or concurrency)",
+    "budget_spent": "queued, but the trial budget was spent before it was launched",
+    "rejected_for_length": "requests were refused for their length (prompt + output over the context)",
 }
+UNDER_LOAD = "_under_load"
+
+
+def failure_meaning(kind: str) -> str:
+    """What a failure kind means; `X_under_load` is X, after the server was ready and under load."""
+    if kind.endswith(UNDER_LOAD):
+        base = FAILURE_MEANING.get(kind[:-len(UNDER_LOAD)], "")
+        return (base + "; " if base else "") + "it happened under load, after the server was ready"
+    return FAILURE_MEANING.get(kind, "")
 
 
 # ---------------------------------------------------------------- cells
@@ -291,7 +307,7 @@ def failures_section(df: pd.DataFrame, params, duplicates: int) -> str:
     if len(failed):
         kinds = failed["failure"].replace("", "relaunch_failed").value_counts()
         items = "".join(f"<li><b>{html.escape(k)}</b> ×{v}: "
-                        f"{html.escape(FAILURE_MEANING.get(k, ''))}</li>" for k, v in kinds.items())
+                        f"{html.escape(failure_meaning(k))}</li>" for k, v in kinds.items())
         body += f'<ul class="kinds">{items}</ul>'
         facts = list(FAILURE_FACTS)
         if "relaunch_failed" in df.columns:
