@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from tuner.results import export, report  # noqa: E402
 from tuner.cli import resolve_study_file  # noqa: E402
 from tuner.config import load_study  # noqa: E402
-from tuner.search.study import load_existing  # noqa: E402
+from tuner.search.storage import load_existing  # noqa: E402
 
 
 def config(study: str, out: Path, seed: int):
@@ -135,7 +135,7 @@ def main() -> int:
                             f"the other run has it {'on' if same.iloc[0]['pareto'] else 'off'} its front")
                 matched &= bool(twins)
                 print(f"  {label} front {params_of(m)}: {measured}; "
-                      + (f"counterpart within the noise on every objective: "
+                      + ("counterpart within the noise on every objective: "
                          + ", ".join(params_of(t) for t in twins) if twins
                          else "no member of the other front within the noise: differs"))
         print(f"  every front member has a counterpart within the noise: {'PASS' if matched else 'FAIL'}")

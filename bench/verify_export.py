@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from tuner.results import export, report  # noqa: E402
 from tuner.config import load_study  # noqa: E402
 from tuner.load.client import load_plan  # noqa: E402
-from tuner.search.study import load_existing  # noqa: E402
+from tuner.search.storage import load_existing  # noqa: E402
 
 VLLM_BENCH = """
 import sys

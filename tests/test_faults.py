@@ -22,7 +22,8 @@ from tuner.run.process import LaunchSpec
 from tuner.load.client import Workload
 from tuner.run.measure import measure_config
 from tuner.search.space import ServerParams
-from tuner.search.study import Platform, Tuner, load_existing
+from tuner.search.storage import load_existing
+from tuner.search.study import Platform, Tuner
 
 
 @pytest.fixture(scope="module")

@@ -201,7 +201,7 @@ def test_launch_phases_of_unknown_lines_are_empty():
 
 def test_launch_phases_become_trial_attrs_and_the_rest_is_other():
     from tuner.records import LaunchFailure, TrialOutcome
-    from tuner.search.study import launch_phase_attrs, run_dict
+    from tuner.search.trial import launch_phase_attrs, run_dict
 
     phases = (("weights", 1.497), ("compile", 17.67), ("profile", 18.72), ("graphs", 4.0))
     outcome = TrialOutcome(ServerParams(0.5, 4096, 256), launch_s=78.39, launch_phases=phases)

@@ -19,8 +19,12 @@ from fakes import FAKE_PLATFORM, FakeDevice, FakeGpu, FakeNvml, fake_config
 from tuner import cli
 from tuner.run import devices
 from tuner.search import parallel, space
+from tuner.search import storage as storage_module
 from tuner.search import study as study_module
-from tuner.search.study import CONSTRAINTS, DIRECTIONS, RequeueOnce, Tuner, make_sampler
+from tuner.search.sampler import make_sampler
+from tuner.search.storage import RequeueOnce
+from tuner.search.study import Tuner
+from tuner.search.trial import CONSTRAINTS, DIRECTIONS
 
 SAME = {"gpu_memory_utilization": 0.5, "max_model_len": 1024, "max_num_seqs": 2}
 TRIALS = 5
@@ -231,8 +235,8 @@ def test_a_trial_whose_heart_stopped_on_another_host_is_failed_and_finished_here
     be checked from here) that beat once and went silent. This worker's stale check fails it after
     the grace period (Optuna's fail_stale_trials, shortened to 2 s here), queues it again once
     (RequeueOnce), and measures the retry; the budget is met exactly."""
-    monkeypatch.setattr(study_module, "HEARTBEAT_INTERVAL_S", 1)
-    monkeypatch.setattr(study_module, "HEARTBEAT_GRACE_S", 2)
+    monkeypatch.setattr(storage_module, "HEARTBEAT_INTERVAL_S", 1)
+    monkeypatch.setattr(storage_module, "HEARTBEAT_GRACE_S", 2)
     monkeypatch.setattr(study_module, "WAIT_POLL_S", 0.1)
     cfg = fake_config(tmp_path)
     elsewhere = Tuner(cfg, measure=FakeDevice(), platform=FAKE_PLATFORM, progress=False, worker=0)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fakes import FakeCurveDevice, fake_config
-from tuner.search import progress
+from tuner import progress
 from tuner.load.client import Workload, run_load_test
 from tuner.records import RequestResult
 

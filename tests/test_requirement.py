@@ -73,7 +73,7 @@ def test_a_bad_mix_names_its_key():
 def test_a_kv_cache_short_of_the_required_sequences_violates_the_requirement():
     from tuner.records import Capacity, LaunchFailure, LoadMetrics, TrialOutcome
     from tuner.search.space import ServerParams
-    from tuner.search.study import record_outcome
+    from tuner.search.trial import record_outcome
 
     cfg = study(requirement={"context_tokens": 16384, "sequences_at_context": 4})
     m = LoadMetrics(single_stream_tok_s=50.0, throughput_tok_s=900.0, ttft_ms=80.0)

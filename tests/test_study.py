@@ -12,7 +12,8 @@ from optuna.trial import TrialState
 
 from fakes import FAKE_PLATFORM, FakeDevice, RecordingTrial, fake_config
 from tuner.results import export, report
-from tuner.search.study import Platform, Tuner, load_existing
+from tuner.search.storage import load_existing
+from tuner.search.study import Platform, Tuner
 
 
 def run(cfg, device, n):
@@ -315,7 +316,7 @@ def test_the_frame_names_the_defaults_baselines_values(tmp_path):
 
 
 def test_configs_equal_on_the_grid_are_one_config(tmp_path):
-    from tuner.search.study import config_key
+    from tuner.search.trial import config_key
 
     cfg = fake_config(tmp_path)
     a = config_key({"gpu_memory_utilization": 0.30000000000000004, "max_model_len": 1024,
@@ -400,7 +401,7 @@ def _measured(single_stream: float, **params) -> "TrialOutcome":
 
 
 def _record(cfg, platform, shape, outcome):
-    from tuner.search.study import offload_figures, record_outcome
+    from tuner.search.trial import offload_figures, record_outcome
 
     t = RecordingTrial()
     values = record_outcome(t, cfg, outcome, offload_figures(cfg, platform, shape, outcome),

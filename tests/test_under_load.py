@@ -9,7 +9,7 @@ from tuner.run.process import LaunchSpec
 from tuner.run.measure import measure_config
 from tuner.records import Workload
 from tuner.search.space import ServerParams
-from tuner.search.study import stop_if_every_request_failed
+from tuner.search.trial import stop_if_every_request_failed
 
 WORKLOAD = Workload(prompt_tokens=16, output_tokens=8, warmup_requests=0, single_stream_requests=4,
                     levels=(4,), throughput_requests=16, request_timeout_s=30)

@@ -321,7 +321,7 @@ def print_summary(study, cfg) -> None:
 
 def _study_and_frame(args):
     from tuner.results import report
-    from tuner.search.study import load_existing
+    from tuner.search.storage import load_existing
 
     cfg = load_config(args)
     study = load_existing(cfg)
@@ -330,7 +330,8 @@ def _study_and_frame(args):
 
 def cmd_report(args) -> int:
     from tuner.results import report
-    from tuner.search.study import check_results_dir, load_existing
+    from tuner.search.storage import load_existing
+    from tuner.search.study import check_results_dir
 
     cfg = load_config(args)
     study = load_existing(cfg)
@@ -387,8 +388,9 @@ def cmd_measure(args) -> int:
     from tuner.run.measure import measure_config
     from tuner import engines
     from tuner.search.space import params_from, scaled
-    from tuner.search.study import (detect_platform, launch_spec, memory_scale, outcome_dict,
-                             resolve_model)
+    from tuner.models.checkpoint import resolve_model
+    from tuner.search.study import detect_platform, launch_spec, memory_scale
+    from tuner.search.trial import outcome_dict
 
     # a bool flag not given is the engine's default (absent), not False
     values = {f.name: getattr(args, f.name) or None if f.kind == "bool" else getattr(args, f.name)
@@ -416,7 +418,8 @@ def cmd_measure(args) -> int:
 def cmd_doctor(args) -> int:
     from tuner.run.process import check_engine_cmd
     from tuner.models.checkpoint import resolve_model
-    from tuner.search.study import check_results_dir, detect_platform, open_storage
+    from tuner.search.storage import open_storage
+    from tuner.search.study import check_results_dir, detect_platform
 
     cfg = load_config(args)
     platform = detect_platform(cfg)

@@ -14,8 +14,8 @@ from typing import Any
 
 import aiohttp
 
-from tuner.search import progress as run_progress
-from tuner.search.progress import RequestProgress
+from tuner import progress as run_progress
+from tuner.progress import RequestProgress
 from tuner.load.prompts import build_prompts, build_prompts_of_lengths  # noqa: F401 - re-exported: callers import it from here
 
 try:  # a vLLM dependency; typed decoding skips unknown fields and is several times faster than json

@@ -64,7 +64,7 @@ def load_side(cfg: StudyConfig, label: str) -> Side:
     """Everything the comparison shows of one study. The engine in use must be the study's (as
     `config.load_study` leaves it): the flag table and the export read it."""
     from tuner.results import export, report
-    from tuner.search.study import load_existing
+    from tuner.search.storage import load_existing
 
     engines.use(cfg.engine_name)
     study = load_existing(cfg)

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import TextIO
 
-from tuner.search import progress
+from tuner import progress
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
 

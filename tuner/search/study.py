@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import copy
-import hashlib
 import json
 import os
-import shlex
 import socket
 import tempfile
-import threading
 import time
 import warnings
 from dataclasses import asdict, fields
@@ -24,31 +20,30 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tuner import engines
 from tuner.load import plan
-from tuner.models import presets
-from tuner.search import progress, requirement, space
+from tuner.models.checkpoint import resolve_model
+from tuner import progress
+from tuner.search import requirement, space
+from tuner.search.sampler import make_sampler
+from tuner.search.storage import Heartbeat, RequeueOnce, open_storage, quiet_experimental, study_lock
+from tuner.search.trial import (CONSTRAINTS, DIRECTIONS, flat_attrs, predicted_grade,
+                                config_key, describe, last_failure_message, offload_figures,
+                                penalty_values, record_outcome, run_dict,
+                                stop_if_every_request_failed)
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
-from tuner.records import (Capacity, LaunchFailure, LaunchSpec, LoadMetrics, Platform,  # noqa: F401
+from tuner.records import (Capacity, LaunchFailure, LaunchSpec, Platform,  # noqa: F401
                            TrialOutcome, is_feasible)
 
-OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
-DIRECTIONS = ("maximize", "maximize", "minimize")
-CONSTRAINTS = ("memory", "launch", "load_test", "slo", "requirement")
 # Trials that were not launched (the memory model ruled them out, or the config was measured
 # already) do not count towards --trials, so a run of N trials means N launches at most.
 SKIPPED_KINDS = ("predicted_infeasible", "duplicate", "gpu_busy")
-# Many workers on one study (`run --parallel N`, or hosts sharing a PostgreSQL storage): each
-# RUNNING trial beats its heart this often, and one silent this long is failed and queued again
-# once by whichever worker notices (a worker on its own host notices a dead one at once, by pid).
-HEARTBEAT_INTERVAL_S = 10
-HEARTBEAT_GRACE_S = 60
+# Many workers on one study: a worker waiting for another's launch of the same config polls this often.
 WAIT_POLL_S = 1.0
 MAX_ASKS_PER_TRIAL = 20
 # A study stops rather than relaunch servers for nothing: after this many tuner errors or busy-GPU
-# skips in a row, and at once when (nearly) every request of a launch failed with one error.
+# skips in a row (and at once when every request failed: trial.stop_if_every_request_failed).
 MAX_TUNER_ERRORS_IN_A_ROW = 3
 MAX_BUSY_IN_A_ROW = 3
-ALL_FAILED_SHARE = 0.9
 
 Measure = Callable[..., TrialOutcome]
 
@@ -85,9 +80,6 @@ def vllm_version() -> str:
         except metadata.PackageNotFoundError:
             continue
     return ""
-
-
-from tuner.models.checkpoint import resolve_model  # noqa: E402,F401  (moved; callers import it from here)
 
 
 def launch_spec(cfg: StudyConfig, platform: Platform, model: str, extra_args: tuple[str, ...],
@@ -131,401 +123,6 @@ def check_results_dir(cfg: StudyConfig) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".tuner-probe-", dir=probe))
     except OSError:
         raise TunerError(f"results folder {folder} is not writable: pass --results DIR") from None
-
-
-def open_storage(url: str, shared: bool = False) -> optuna.storages.BaseStorage:
-    """The study's RDB storage; `shared` (several workers on it): with Optuna's heartbeat, so a
-    trial whose worker died is failed and queued again once, and SQLite waits for its lock."""
-    kwargs: dict = {}
-    if url.startswith("sqlite:///"):
-        db = Path(url[len("sqlite:///"):])
-        if not db.parent.exists():
-            try:
-                db.parent.mkdir(parents=True)
-            except OSError as e:
-                raise TunerError(f"storage {url} cannot be opened: {e.strerror}: pass --storage URL")
-        if shared:   # writers queue for SQLite's one lock instead of failing with "database is locked"
-            kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
-    if shared:
-        kwargs.update(heartbeat_interval=HEARTBEAT_INTERVAL_S, grace_period=HEARTBEAT_GRACE_S,
-                      heartbeat_stale_trial_callback=RequeueOnce())
-    try:
-        with quiet_experimental():   # the heartbeat is an "experimental" Optuna argument
-            return optuna.storages.RDBStorage(url, **kwargs)
-    except Exception as e:  # SQLAlchemy raises many kinds; all mean "this URL does not work"
-        reason = str(e).splitlines()[0][:200]
-        raise TunerError(f"storage {url} cannot be opened ({type(e).__name__}: {reason}): "
-                         "pass --storage URL (e.g. sqlite:///studies/NAME.db)")
-
-
-@contextlib.contextmanager
-def quiet_experimental():
-    """Optuna's heartbeat and retry API without its ExperimentalWarning on every use."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        yield
-
-
-class RequeueOnce(optuna.storages.RetryHeartbeatStaleTrialCallback):
-    """A trial whose worker died is queued again once, by Optuna's retry convention (system attrs
-    `failed_trial` and `retry_history`), carrying only its baseline attrs: the dead worker's pid,
-    host and server pgid would make the retry look like that worker's trial, which the sweep for
-    dead workers would then fail again."""
-
-    def __init__(self) -> None:
-        with quiet_experimental():
-            super().__init__(max_retry=1)
-
-    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        kept = copy.copy(trial)
-        kept._user_attrs = {k: v for k, v in trial.user_attrs.items() if k.startswith("baseline")}
-        kept._system_attrs = {k: v for k, v in trial.system_attrs.items()
-                              if k in ("failed_trial", "retry_history")}
-        with quiet_experimental():
-            super().__call__(study, kept)
-
-
-@contextlib.contextmanager
-def study_lock(storage, url: str, name: str):
-    """One worker at a time decides what to launch (the budget left, the configs in flight):
-    PostgreSQL's advisory lock on the study, or an flock on a file beside an SQLite database. Both
-    are let go when their holder dies. Other storages: no lock (a race costs one extra launch)."""
-    if url.startswith("sqlite:///"):
-        import fcntl
-
-        with open(url[len("sqlite:///"):] + ".lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-    elif url.startswith("postgresql") and hasattr(storage, "engine"):
-        from sqlalchemy import text
-
-        key = int.from_bytes(hashlib.sha256(f"tuner:{name}".encode()).digest()[:8], "big", signed=True)
-        with storage.engine.connect() as conn:
-            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
-            try:
-                yield
-            finally:
-                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-                conn.commit()
-    else:
-        yield
-
-
-class Heartbeat:
-    """Record a trial's heartbeat every HEARTBEAT_INTERVAL_S while its worker works on it."""
-
-    def __init__(self, storage, trial_id: int):
-        self.storage, self.trial_id = storage, trial_id
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._beat, daemon=True, name=f"heartbeat-{trial_id}")
-
-    def _beat(self) -> None:
-        while True:
-            try:
-                self.storage.record_heartbeat(self.trial_id)
-            except Exception as e:  # a storage hiccup must not kill the trial: the next beat may pass
-                log(f"  heartbeat of trial id {self.trial_id} not recorded: {type(e).__name__}")
-            if self.stop.wait(self.storage.get_heartbeat_interval()):
-                return
-
-    def __enter__(self) -> "Heartbeat":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(timeout=30)
-
-
-def load_existing(cfg: StudyConfig) -> optuna.Study:
-    db = cfg.storage[len("sqlite:///"):].split("?")[0] if cfg.storage.startswith("sqlite:///") else ""
-    if db and db != ":memory:" and not Path(db).exists():   # opening it would create an empty one
-        raise TunerError(f"no study {cfg.name!r} in {cfg.storage} (no such file): run "
-                         "`python -m tuner run` first")
-    storage = open_storage(cfg.storage)
-    try:
-        return optuna.load_study(study_name=cfg.name, storage=storage)
-    except KeyError:
-        raise TunerError(f"no study {cfg.name!r} in {cfg.storage}: run `python -m tuner run` first")
-
-
-# ---------------------------------------------------------------- sampler
-
-
-def gp_available() -> bool:
-    try:
-        import scipy  # noqa: F401
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def make_sampler(cfg: StudyConfig, name: str | None = None, worker: int = 0
-                 ) -> optuna.samplers.BaseSampler:
-    """The study's sampler; worker k of a shared study draws with seed + k, so workers do not
-    propose the same configs in the same order."""
-    name = name or cfg.sampler
-    if name == "auto":
-        name = "gp" if gp_available() else "tpe"
-    seed = cfg.seed + worker if cfg.seed is not None else None
-    if name == "gp":
-        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=5)
-    if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=5, multivariate=True)
-    if name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    if name == "grid":
-        grid = {d.name: d.grid() for d in cfg.dimensions}
-        # the seed shuffles the grid, and workers share its ids: one order for all, own picks
-        return _AskTellGridSampler(grid, seed=cfg.seed, pick_seed=seed)
-    raise TunerError(f"unknown sampler {name!r}")
-
-
-class _AskTellGridSampler(optuna.samplers.GridSampler):
-    """GridSampler stops the study when the grid is done, which only works inside optimize();
-    with ask/tell an exhausted grid shows up as repeated configs, which the run loop stops on.
-    `pick_seed` (worker k of a shared study) draws among the unvisited grid points on its own."""
-
-    def __init__(self, search_space, seed: int | None = None, pick_seed: int | None = None):
-        super().__init__(search_space, seed=seed)
-        if pick_seed is not None and pick_seed != seed:
-            self._rng.rng.seed(pick_seed)
-
-    def after_trial(self, study, trial, state, values) -> None:
-        pass
-
-
-# ---------------------------------------------------------------- recording
-
-
-def grade_failure(params: space.ServerParams, failure: LaunchFailure) -> float:
-    """How far a memory failure missed (> 0), so the sampler learns a gradient, not a wall."""
-    if failure.estimated_max_model_len and params.max_model_len:
-        return max(0.01, params.max_model_len / failure.estimated_max_model_len - 1)
-    if failure.needed_gib and failure.available_gib and failure.available_gib > 0:
-        return max(0.01, failure.needed_gib / failure.available_gib - 1)
-    return 1.0
-
-
-def slo_violation(cfg: StudyConfig, m: LoadMetrics) -> float:
-    w = cfg.workload
-    worst = 0.0
-    for slo, got in ((w.slo_ttft_ms, m.ttft_ms_p90), (w.slo_tpot_ms, m.tpot_ms_p90),
-                     (w.slo_e2e_ms, m.e2e_ms_p90)):
-        if slo is not None and got is not None:
-            worst = max(worst, got / slo - 1)
-    return worst
-
-
-def offload_figures(cfg: StudyConfig, platform: Platform, shape, outcome: TrialOutcome) -> dict:
-    """The single stream against its roofline, as trial attrs: roofline_tok_s, roofline_pct and,
-    below [slo] min_roofline_share of it, roofline_shortfall (wanted / measured share - 1).
-
-    The roofline is offload-aware: the weights offloaded (what the server logged, else the
-    config's --cpu-offload-gb, searched or fixed in extra_args) are read over PCIe. Empty where
-    the bandwidth is unknown (the CPU build) or nothing was measured.
-    """
-    from tuner.search import feasibility
-    from tuner.config import fixed_flag_values
-
-    m = outcome.metrics
-    if shape is None or platform.bandwidth_gbps is None or m is None:
-        return {}
-    logged = outcome.capacity.cpu_offload_gib if outcome.capacity is not None else None
-    asked = outcome.params.cpu_offload_gb
-    if asked is None:
-        asked = fixed_flag_values(cfg.extra_args, cfg.source).get("cpu_offload_gb")
-    offload_gib = logged if logged is not None else (asked or 0.0)
-    w = cfg.workload
-    bound = feasibility.roofline_tok_s(
-        platform.bandwidth_gbps, shape, w.prompt_tokens + w.output_tokens // 2,
-        feasibility.kv_dtype_bytes(outcome.params.kv_cache_dtype, shape.dtype_bytes),
-        offload_bytes=offload_gib * 2**30, pcie_gbps=platform.pcie_gbps)
-    out = {"roofline_tok_s": round(bound, 1)}
-    if offload_gib:
-        out["roofline_offload_gib"] = round(offload_gib, 2)
-    if m.single_stream_tok_s:
-        out["roofline_pct"] = round(100 * m.single_stream_tok_s / bound, 1)
-        short = feasibility.roofline_shortfall(m.single_stream_tok_s, bound, cfg.min_roofline_share)
-        out["offload_suspected"] = short > 0
-        if short > 0:
-            out["roofline_shortfall"] = round(short, 3)
-    return out
-
-
-def penalty_values(cfg: StudyConfig, study: optuna.Study | None = None) -> tuple[float, float, float]:
-    """Objective values told for a config that produced no measurement (its constraints say why).
-
-    The worst figures a feasible config measured so far, objective by objective: a placeholder such
-    as 0 tok/s and the request timeout would stretch the GP sampler's standardised objectives so
-    far that 40 ms and 360 ms of TTFT look alike. Before any feasible trial: 0, 0 and the timeout.
-    """
-    measured = [t.values for t in (study.get_trials(deepcopy=False) if study is not None else ())
-                if is_feasible(t) and t.values is not None]
-    if not measured:
-        return 0.0, 0.0, cfg.workload.request_timeout_s * 1000.0
-    return (min(v[0] for v in measured), min(v[1] for v in measured), max(v[2] for v in measured))
-
-
-def _flat(prefix: str, obj) -> dict:
-    return {f"{prefix}{k}": v for k, v in asdict(obj).items()
-            if v is not None and not isinstance(v, (tuple, list, dict))}
-
-
-def level_dicts(m: LoadMetrics) -> list[dict]:
-    return [{k: v for k, v in asdict(lv).items() if v is not None and v != ""} for lv in m.levels]
-
-
-def launch_phase_attrs(outcome: TrialOutcome) -> dict:
-    """launch_weights_s, launch_compile_s, ... of the phases the log named, and launch_other_s, the
-    rest of launch_s (process start, imports, API server); {} when the log named none."""
-    if not outcome.launch_phases:
-        return {}
-    attrs = {f"launch_{name}_s": round(s, 2) for name, s in outcome.launch_phases}
-    attrs["launch_other_s"] = round(outcome.launch_s - sum(s for _, s in outcome.launch_phases), 2)
-    return attrs
-
-
-def run_dict(outcome: TrialOutcome, kind: str) -> dict:
-    """One extra launch of a measured config (a replicate or a confirmation), for study storage."""
-    m = outcome.metrics
-    run = {"kind": kind, "failure": outcome.failure_kind, "launch_s": round(outcome.launch_s, 2),
-           **launch_phase_attrs(outcome), "log_path": outcome.log_path}
-    if outcome.failure is not None:
-        run["failure_message"] = outcome.failure.message[:300]
-    if m is not None:
-        run.update({k: getattr(m, k) for k in OBJECTIVES})
-        run["levels"] = level_dicts(m)
-        if m.load_test_failed:
-            run["failure_message"] = m.load_test_failed[:300]
-    return run
-
-
-def config_key(params: dict, dimensions) -> tuple:
-    """A config's identity: its params on the space's grid, so 0.07 and 0.07000000000000001 are one."""
-    out = []
-    for d in dimensions:
-        v = params.get(d.name)
-        if isinstance(v, float):
-            v = d.snap(v) if d.step and not d.choices else round(v, 6)
-        out.append((d.name, v))
-    return tuple(out)
-
-
-def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
-                   extra: dict, penalty: tuple[float, float, float] | None = None
-                   ) -> tuple[float, float, float]:
-    """Store everything the trial measured as user attrs and constraints; return its objective values.
-
-    `extra` holds attrs of the trial measured beside the outcome, `offload_figures` among them: a
-    roofline_shortfall there classifies a measured config cpu_offload (the slo constraint).
-    """
-    attrs = dict(extra)
-    attrs["failure"] = outcome.failure_kind
-    attrs["command"] = shlex.join(outcome.argv)
-    attrs["log_path"] = outcome.log_path
-    attrs["launch_s"] = round(outcome.launch_s, 2)
-    attrs.update(launch_phase_attrs(outcome))
-    attrs["load_s"] = round(outcome.load_s, 2)
-    if outcome.server_exit_code is not None:   # the server died while it was being load-tested
-        attrs["server_exit_code"] = outcome.server_exit_code
-    for key in ("peak_gpu_memory", "peak_gpu_server", "peak_gpu_stranger"):
-        value = getattr(outcome, f"{key}_bytes")
-        if value:  # the device's use, the server's own share, and what other processes held
-            attrs[f"{key}_gib"] = round(value / 2**30, 3)
-    constraints = dict.fromkeys(CONSTRAINTS, 0.0)
-    values = penalty if penalty is not None else penalty_values(cfg)
-    f = outcome.failure
-    if f is not None:
-        attrs.update(failure_message=f.message[:500], failure_log_tail=f.log_tail[-2000:],
-                     verdict_s=round(f.verdict_s, 2))
-        for key in ("needed_gib", "available_gib", "estimated_max_model_len", "exit_code"):
-            if getattr(f, key) is not None:
-                attrs[key] = getattr(f, key)
-        if f.is_memory:
-            constraints["memory"] = grade_failure(outcome.params, f)
-        else:
-            constraints["launch"] = 1.0
-    if outcome.capacity is not None:
-        attrs.update({k: v for k, v in _flat("", outcome.capacity).items()})
-        # the context counted: the user's required one, else the config's own max_model_len
-        context = cfg.requirement.context_tokens or outcome.params.max_model_len
-        held = requirement.sequences_at_context(outcome.capacity.kv_cache_tokens, context)
-        if held is not None:
-            attrs.update(context_tokens=context, sequences_at_context=held)
-        constraints["requirement"] = requirement.capacity_shortfall(outcome.capacity.kv_cache_tokens,
-                                                                    cfg.requirement)
-        if constraints["requirement"] > 0:
-            attrs["failure"] = "requirement_not_met"
-            attrs["failure_message"] = (
-                f"the KV cache holds {outcome.capacity.kv_cache_tokens} tokens: {held} sequences of "
-                f"{context} tokens, [requirement] asks {cfg.requirement.sequences_at_context}")
-    m = outcome.metrics
-    if m is not None:
-        attrs.update(_flat("", m))
-        attrs["levels"] = level_dicts(m)  # every level's figures: the config's load curve
-        if m.load_test_failed:
-            constraints["load_test"] = max(0.01, m.error_rate)
-        constraints["slo"] = slo_violation(cfg, m)
-        short = attrs.get("roofline_shortfall", 0.0)
-        if short > 0:
-            # a soft constraint: the measured figures stay the trial's values, so the search is
-            # steered away from it, and export falls back on it only when nothing else fits
-            attrs["slo_latency_violation"] = constraints["slo"]
-            constraints["slo"] = max(constraints["slo"], short)
-            if not attrs["failure"]:
-                attrs["failure"] = "cpu_offload"
-                logged = (f"; the server logged {outcome.capacity.cpu_offload_gib:g} GiB of weights "
-                          "offloaded to the CPU" if outcome.capacity is not None
-                          and outcome.capacity.cpu_offload_gib else "")
-                attrs["failure_message"] = (
-                    f"single stream {m.single_stream_tok_s:.1f} tok/s is {attrs['roofline_pct']:g} % "
-                    f"of its {attrs['roofline_tok_s']:g} tok/s roofline, below [slo] "
-                    f"min_roofline_share {cfg.min_roofline_share:g}: weights read from host memory"
-                    f"{logged}")
-        measured = (m.single_stream_tok_s, m.throughput_tok_s, m.ttft_ms)
-        missing = [k for k, v in zip(OBJECTIVES, measured) if v is None]
-        if m.load_test_failed:
-            pass   # a failed load test's figures stay in its attrs, not in the sampler
-        elif not missing:
-            values = measured
-        else:
-            constraints["load_test"] = 1.0
-            attrs["failure"] = "load_test_failed"
-            attrs["failure_message"] = "no measurement of " + ", ".join(missing)
-        if constraints["requirement"] > 0:
-            values = penalty if penalty is not None else penalty_values(cfg)
-            attrs["failure"] = "requirement_not_met"
-    died = outcome.died_under_load
-    if died is not None:
-        # the server exited during the load test: classified from its log like a launch failure,
-        # its figures so far kept in the attrs, and a constraint that steers the search away
-        attrs.update(failure=outcome.failure_kind, failure_message=died.message[:500],
-                     failure_log_tail=died.log_tail[-2000:], died_under_load=died.kind)
-        if m is not None:
-            reached = [lv.name for lv in m.levels if lv.requests > lv.failed]
-            broke = next((lv.name for lv in m.levels if lv.failure), "")
-            attrs.update(last_level_served=reached[-1] if reached else "", died_at_level=broke)
-        for key in ("needed_gib", "available_gib"):
-            if getattr(died, key) is not None:
-                attrs[key] = getattr(died, key)
-        if died.is_memory:
-            constraints["memory"] = max(constraints["memory"], grade_failure(outcome.params, died))
-        else:
-            constraints["launch"] = 1.0
-        values = penalty if penalty is not None else penalty_values(cfg)
-    for key, value in attrs.items():
-        trial.set_user_attr(key, value)
-    for key, value in constraints.items():
-        trial.set_constraint(key, value)
-    return values
-
-
-# ---------------------------------------------------------------- the run
 
 
 class Tuner:
@@ -903,13 +500,13 @@ class Tuner:
         if self.memory_model is not None:
             common["device_memory_bytes"] = self.memory_model.device_memory_bytes
         if prediction is not None:
-            common.update({f"predicted_{k}": v for k, v in _flat("", prediction).items()})
+            common.update({f"predicted_{k}": v for k, v in flat_attrs("", prediction).items()})
             if not prediction.fits and not prediction.uncertain:
                 for key, value in common.items():
                     trial.set_user_attr(key, value)
                 trial.set_user_attr("failure", "predicted_infeasible")
                 for key in CONSTRAINTS:
-                    trial.set_constraint(key, 0.0 if key != "memory" else _predicted_grade(
+                    trial.set_constraint(key, 0.0 if key != "memory" else predicted_grade(
                         launch_params, prediction))
                 study.tell(trial, penalty_values(self.cfg, study))
                 return "predicted_infeasible"
@@ -1135,52 +732,6 @@ class Tuner:
                 confirmed.add(number)
 
 
-def last_failure_message(study: optuna.Study) -> str:
-    t = study.get_trials(deepcopy=False)[-1]
-    return t.user_attrs.get("failure_message", t.user_attrs.get("failure", ""))[:200]
-
-
-def stop_if_every_request_failed(t: FrozenTrial, outcome: TrialOutcome) -> None:
-    """A launch whose load test failed on (nearly) every request with one error says the workload
-    or the client is wrong, not the config: stop with that error rather than relaunch for nothing."""
-    m = outcome.metrics
-    # a request refused as longer than the config's context is a fact of that config, not a
-    # fault of the workload or the client: it does not count here
-    failed = m.requests_failed - m.rejected_for_length if m is not None else 0
-    if m is None or not m.requests_sent or failed < ALL_FAILED_SHARE * m.requests_sent:
-        return
-    if outcome.server_exit_code is not None or outcome.died_under_load is not None:
-        return   # the server died under load: that is this config's (or an outside kill's) doing
-    hint = "check [workload] (prompt/output tokens, endpoint) against the model and its tokenizer"
-    if "401" in m.top_error or "Unauthorized" in m.top_error:
-        hint = "the server wants an API key: export VLLM_API_KEY for the tuner"
-    elif "timeout" in m.top_error:
-        hint = "raise [workload] request_timeout_s or lower the load levels"
-    raise TunerError(f"stopping: trial {t.number}'s server started but {m.requests_failed} of "
-                     f"{m.requests_sent} requests failed ({m.top_error[:160]}); {hint}. "
-                     "The trial is kept; fix this and run the same command to go on")
-
-
-def outcome_dict(outcome: TrialOutcome) -> dict:
-    """A TrialOutcome as one flat JSON-ready dict (for `measure`)."""
-    out = {"failure": outcome.failure_kind, "command": shlex.join(outcome.argv),
-           "log_path": outcome.log_path, "launch_s": round(outcome.launch_s, 2),
-           **launch_phase_attrs(outcome), "load_s": round(outcome.load_s, 2)}
-    out.update(outcome.params.values())
-    for part in (outcome.failure, outcome.capacity, outcome.metrics):
-        if part is not None:
-            out.update({k: v for k, v in asdict(part).items() if k not in out and v is not None})
-    return out
-
-
-def _predicted_grade(params: space.ServerParams, prediction) -> float:
-    if prediction.max_model_len_fit and params.max_model_len:
-        return max(0.01, params.max_model_len / max(prediction.max_model_len_fit, 1) - 1)
-    if prediction.needed_gib and prediction.available_gib:
-        return max(0.01, prediction.needed_gib / max(prediction.available_gib, 1e-9) - 1)
-    return 1.0
-
-
 def _alive(pid) -> bool:
     if not pid:
         return False
@@ -1195,22 +746,6 @@ def _alive(pid) -> bool:
 
     cmdline = _cmdline(int(pid))
     return "tuner" in cmdline or not cmdline
-
-
-def describe(t: FrozenTrial) -> str:
-    a = t.user_attrs
-    if a.get("failure") == "load_test_failed":
-        return (f"trial {t.number}: load_test_failed ({a.get('requests_failed', '?')} of "
-                f"{a.get('requests_sent', '?')} requests failed: {str(a.get('top_error', ''))[:120]})")
-    if a.get("failure") == "cpu_offload":
-        return (f"trial {t.number}: cpu_offload (single-stream {a.get('single_stream_tok_s', 0):.1f} "
-                f"tok/s, {a.get('roofline_pct', 0):g} % of its roofline)")
-    if a.get("failure"):
-        extra = a.get("estimated_max_model_len")
-        return f"trial {t.number}: {a['failure']}" + (f" (fits {extra} tokens)" if extra else "")
-    ss, tp, ttft = t.values
-    return (f"trial {t.number}: single-stream {ss:.1f} tok/s, throughput {tp:.1f} tok/s, "
-            f"TTFT p50 {ttft:.0f} ms")
 
 
 def study_summary(cfg: StudyConfig, model: str, extra_args: tuple[str, ...]) -> dict:
