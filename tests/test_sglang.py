@@ -243,6 +243,20 @@ def test_running_an_sglang_study_without_sglang_is_one_line_and_exit_2(tmp_path)
     assert not (tmp_path / "results" / "sg" / "trials.csv").exists()
 
 
+@pytest.mark.skipif(HAS_SGLANG, reason="SGLang is installed here")
+def test_doctor_lists_sglang_missing_as_a_problem_and_runs_the_other_checks(tmp_path):
+    write_study(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "tuner", "doctor", "--study", "sg.toml"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 1, done.stderr
+    lines = done.stdout.splitlines()
+    assert [ln for ln in lines if ln.startswith("engine") and "PROBLEM" in ln and "SGLang" in ln]
+    for check in ("model", "values", "storage", "results"):   # listed after it, each one
+        assert [ln for ln in lines if ln.startswith(check)], done.stdout
+    assert "Traceback" not in done.stderr
+
+
 # ---------------------------------------------------------------- readiness, against a real process
 
 FAKE_SGLANG = textwrap.dedent('''\

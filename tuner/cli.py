@@ -221,7 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_study_options(measure)
 
     doctor = command("doctor", "show what vLLM will be launched and how, the GPUs, and whether "
-                     "storage and results are writable", "  python -m tuner doctor\n")
+                     "storage and results are writable", "  python -m tuner doctor\n"
+                     "  python -m tuner doctor --study studies/h200-16gb.toml && python -m tuner run "
+                     "--study studies/h200-16gb.toml\nEvery check is listed; exit code 1 when one "
+                     "found a PROBLEM.\n")
     add_study_options(doctor)
 
     compare = command("compare", "put the Pareto fronts of two or more studies (same model and "
@@ -421,14 +424,21 @@ def cmd_doctor(args) -> int:
     from tuner.search.storage import open_storage
     from tuner.search.study import check_results_dir, detect_platform
 
+    from tuner.records import Platform
+
     cfg = load_config(args)
-    platform = detect_platform(cfg)
     lines = [f"study      {cfg.source} (name {cfg.name})"]
+    platform = None
     try:
+        platform = detect_platform(cfg)
         check_engine_cmd(platform.engine)
         lines.append(f"engine     {' '.join(platform.engine)}")
     except TunerError as e:
         lines.append(f"engine     PROBLEM: {e}")
+    if platform is None:   # the engine is not installed here: the other checks still run
+        from tuner.search import feasibility
+
+        platform = Platform("cpu", "", feasibility.device_memory_bytes("cpu"), None, (), "")
     from tuner import engines
 
     label = engines.get(cfg.engine_name).label
@@ -460,7 +470,7 @@ def cmd_doctor(args) -> int:
     except TunerError as e:
         lines.append(f"results    PROBLEM: {e}")
     print("\n".join(lines))
-    return 0
+    return 1 if any(" PROBLEM: " in ln for ln in lines) else 0
 
 
 def cmd_compare(args) -> int:
