@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tuner import noise as noise_module  # noqa: E402
 from tuner.results import export, report  # noqa: E402
 from tuner.cli import resolve_study_file  # noqa: E402
 from tuner.config import load_study  # noqa: E402
@@ -67,7 +68,7 @@ def check_top_is_on_front(df) -> str:
     if bool(top["pareto"]):
         return line + "on the front: PASS"
     for _, m in front.iterrows():
-        margin = report.tie_margin("throughput_tok_s", float(top["throughput_tok_s"]),
+        margin = noise_module.tie_margin("throughput_tok_s", float(top["throughput_tok_s"]),
                                    float(m["throughput_tok_s"]), int(top.get("runs", 1)),
                                    int(m.get("runs", 1)), noise, 0.02)
         if abs(float(top["throughput_tok_s"]) - float(m["throughput_tok_s"])) <= margin:
@@ -91,7 +92,7 @@ def pooled_noise(*noises: dict | None) -> dict:
 def counterparts(member, front, noise: dict) -> list:
     """The rows of `front` whose every objective ties with `member`'s (the same config or not)."""
     return [o for _, o in front.iterrows() if all(
-        abs(float(member[k]) - float(o[k])) <= report.tie_margin(
+        abs(float(member[k]) - float(o[k])) <= noise_module.tie_margin(
             k, float(member[k]), float(o[k]), int(member.get("runs", 1)), int(o.get("runs", 1)),
             noise, 0.02) for k in report.OBJECTIVES)]
 

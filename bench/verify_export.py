@@ -26,6 +26,7 @@ from tuner.results import export, report  # noqa: E402
 from tuner.config import load_study  # noqa: E402
 from tuner.load.client import load_plan  # noqa: E402
 from tuner.search.storage import load_existing  # noqa: E402
+from tuner.search.trial import extra_runs  # noqa: E402
 
 VLLM_BENCH = """
 import sys
@@ -44,7 +45,7 @@ def study_levels(study, number: int) -> dict[str, list[dict]]:
     """Every launch's figures of each level for trial `number` (the trial and its extra runs)."""
     t = study.trials[number]
     launches = [t.user_attrs.get("levels", [])] + [r.get("levels", []) for r in
-                                                     report.extra_runs(study, number)
+                                                     extra_runs(study, number)
                                                      if not r.get("failure")]
     out: dict[str, list[dict]] = {}
     for levels in launches:

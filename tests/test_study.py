@@ -11,6 +11,7 @@ import pytest
 from optuna.trial import TrialState
 
 from fakes import FAKE_PLATFORM, FakeDevice, RecordingTrial, fake_config
+from tuner import noise as noise_module
 from tuner.results import export, report
 from tuner.search.storage import load_existing
 from tuner.search.study import Platform, Tuner
@@ -184,7 +185,7 @@ def test_ties_come_from_the_measured_launch_to_launch_noise():
 
 
 def test_noise_is_the_pooled_coefficient_of_variation_of_repeated_configs():
-    noise = report.noise_estimate({"throughput_tok_s": [[90.0, 110.0], [190.0, 210.0]],
+    noise = noise_module.noise_estimate({"throughput_tok_s": [[90.0, 110.0], [190.0, 210.0]],
                                    "ttft_ms": []})
     cv = noise["throughput_tok_s"]
     # sample sd of (90, 110) is 14.14 on a mean of 100; of (190, 210) 14.14 on 200
@@ -255,13 +256,13 @@ def test_balanced_export_ignores_objectives_whose_front_spread_is_noise():
 
 
 def test_ties_widen_by_students_t_when_the_noise_rests_on_few_replicates():
-    assert report.noise_z(2) == pytest.approx(4.30) and report.noise_z(5) == pytest.approx(2.57)
-    assert report.noise_z(11) == report.noise_z(10) and report.noise_z(500) == pytest.approx(1.96)
+    assert noise_module.noise_z(2) == pytest.approx(4.30) and noise_module.noise_z(5) == pytest.approx(2.57)
+    assert noise_module.noise_z(11) == noise_module.noise_z(10) and noise_module.noise_z(500) == pytest.approx(1.96)
     few = {"throughput_tok_s": {"cv": 0.05, "dof": 2, "configs": 1}}
     many = {"throughput_tok_s": {"cv": 0.05, "dof": 40, "configs": 20}}
     # 1,000 against 1,200 tok/s, one launch each: 20 % apart, 0.05 * 1562 = 78 tok/s standard error
-    wide = report.tie_margin("throughput_tok_s", 1000.0, 1200.0, 1, 1, few, 0.02)
-    narrow = report.tie_margin("throughput_tok_s", 1000.0, 1200.0, 1, 1, many, 0.02)
+    wide = noise_module.tie_margin("throughput_tok_s", 1000.0, 1200.0, 1, 1, few, 0.02)
+    narrow = noise_module.tie_margin("throughput_tok_s", 1000.0, 1200.0, 1, 1, many, 0.02)
     assert wide > 200 > narrow                   # a tie on 2 degrees of freedom, a difference on 40
     assert narrow == pytest.approx(2.04 * 0.05 * (1000.0 ** 2 + 1200.0 ** 2) ** 0.5)
 

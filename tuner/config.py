@@ -94,6 +94,9 @@ class StudyConfig:
     replicates: int = 2                       # relaunch each baseline this often: the measured noise
     gpu_busy_wait_s: float = 120.0            # wait this long for a busy GPU, then skip the config
     use_memory_model: bool = True
+    # skip a config whose best possible figures, read off launches already measured, are beaten
+    # beyond the noise (search/screen.py); off for a recorded grid, which must launch everything
+    screen: bool = True
     tie_tolerance: float = 0.02               # relative differences below this are ties on the front
     # [slo] min_roofline_share: a single stream below this share of its roofline is cpu_offload
     # (a soft constraint); 0 = off. Checked only where the device's bandwidth is known (not on CPU)
@@ -428,8 +431,8 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
                 source, "")
     study = _take(top.get("study", {}), {
         "name": str, "storage": str, "results_dir": str, "sampler": str, "seed": int,
-        "confirm": int, "replicates": int, "memory_model": bool, "tie_tolerance": float},
-        source, "study")
+        "confirm": int, "replicates": int, "memory_model": bool, "screen": bool,
+        "tie_tolerance": float}, source, "study")
     model = _take(top.get("model", {}), {"path": str}, source, "model")
     server = _take(top.get("server", {}), {
         "extra_args": (list, str), "engine": (list, str), "command": (list, str), "env": dict, "host": str,
@@ -584,7 +587,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         results_dir=overrides.get("results_dir") or study.get("results_dir", "results"),
         sampler=sampler, seed=overrides.get("seed", study.get("seed")), confirm=confirm,
         replicates=replicates, gpu_busy_wait_s=busy_wait,
-        use_memory_model=study.get("memory_model", True),
+        use_memory_model=study.get("memory_model", True), screen=study.get("screen", True),
         tie_tolerance=study.get("tie_tolerance", 0.02), min_roofline_share=min_roofline_share,
     )
 

@@ -31,6 +31,14 @@ class Flag:
     #   "equal":  it changes what fits, in no order: only failures with the same value say anything
     #   "":       it does not change whether one request fits
     memory: str = ""
+    # What the flag does to speed, for screening a config with launches already measured
+    # (search/screen.py):
+    #   "slots": caps the requests served at once (max_num_seqs): with fewer slots a config can
+    #            at best match a measured launch's figures at that concurrency
+    #   "size":  only sizes memory (a KV share, the context): a config that starts is no faster
+    #            than one with the same other flags
+    #   "":      may change speed in ways not modelled (graphs, batching, offload, dtype)
+    speed: str = ""
     low: float | None = None       # allowed range (None = unbounded on that side)
     high: float | None = None
     low_open: bool = False         # low itself is refused: (low, high]

@@ -20,9 +20,9 @@ from tuner.records import Capacity, LaunchFailure
 #   gpu_memory_utilization has no counterpart: llama.cpp allocates the KV cache ctx_size asks for
 #     and fails if it does not fit; it never sizes the cache from a memory share.
 _CPU_FLAGS: tuple[Flag, ...] = (
-    Flag("ctx_size", "int", "-c", default=None, memory="demand", low=1, required=True,
+    Flag("ctx_size", "int", "-c", default=None, memory="demand", speed="size", low=1, required=True,
          hand_tuned=4096, help="KV cache size in tokens, shared by all slots (0 = the model's context)"),
-    Flag("parallel", "int", "-np", default=1, low=1, required=True, hand_tuned=4,
+    Flag("parallel", "int", "-np", default=1, speed="slots", low=1, required=True, hand_tuned=4,
          help="slots: requests decoded at once; each gets ctx_size / parallel tokens unless kv_unified"),
     Flag("kv_unified", "bool", "--kv-unified", default=False, memory="equal", hand_tuned=False,
          help="one KV cache shared by all slots, so one request may use all of ctx_size"),

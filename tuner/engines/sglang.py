@@ -35,11 +35,11 @@ FLAGS: tuple[Flag, ...] = (
          low=0.0, high=1.0, low_open=True, required=True, hand_tuned=0.85,
          help="share of the device's memory for the static pool: weights and KV cache "
               "(activations and CUDA graphs use the rest)"),
-    Flag("context_length", "int", "--context-length", default=None, memory="demand", low=1,
+    Flag("context_length", "int", "--context-length", default=None, memory="demand", speed="size", low=1,
          required=True, hand_tuned=4096,
          help="longest request (prompt + output tokens); absent: the model's config.json"),
     Flag("max_running_requests", "int", "--max-running-requests", default=None, memory="demand",
-         low=1, required=True, hand_tuned=8,
+         speed="slots", low=1, required=True, hand_tuned=8,
          help="most requests decoded at once; absent: derived from the KV pool size"),
     Flag("chunked_prefill_size", "int", "--chunked-prefill-size", default=None, memory="equal",
          low=1, help="most prompt tokens prefilled in one step (absent: chosen from the device memory)"),

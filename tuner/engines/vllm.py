@@ -23,14 +23,14 @@ KV_CACHE_DTYPES = (
 # values such as max_num_seqs, 1024 on an H200 and 128 on the CPU build, are read, never assumed).
 FLAGS: tuple[Flag, ...] = (
     Flag("gpu_memory_utilization", "float", "--gpu-memory-utilization", default=0.92,
-         read_default="cache_config.gpu_memory_utilization", memory="supply",
+         read_default="cache_config.gpu_memory_utilization", memory="supply", speed="size",
          low=0.0, high=1.0, low_open=True, required=True, hand_tuned=0.92,
          help="share of the device's memory vLLM may use (weights, activations, KV cache)"),
     Flag("max_model_len", "int", "--max-model-len", default=None,
-         read_default="model_config.max_model_len", memory="demand", low=1, required=True,
+         read_default="model_config.max_model_len", memory="demand", speed="size", low=1, required=True,
          hand_tuned=4096, help="longest request (prompt + output tokens) the server accepts"),
     Flag("max_num_seqs", "int", "--max-num-seqs", default=256,
-         read_default="scheduler_config.max_num_seqs", low=1, required=True, hand_tuned=8,
+         read_default="scheduler_config.max_num_seqs", speed="slots", low=1, required=True, hand_tuned=8,
          help="most sequences scheduled at once"),
     Flag("max_num_batched_tokens", "int", "--max-num-batched-tokens", default=8192,
          read_default="scheduler_config.max_num_batched_tokens", memory="equal", low=1,

@@ -87,7 +87,7 @@ def preferred(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None 
 def ties_with(front: pd.DataFrame, pick: pd.Series, noise: dict | None = None,
               tie_tolerance: float = 0.02) -> pd.DataFrame:
     """The members of `front` whose every objective is within the noise of `pick`'s (pick too)."""
-    from tuner.results.report import tie_margin
+    from tuner.noise import tie_margin
 
     def runs(row) -> int:
         return int(row["runs"]) if "runs" in row and pd.notna(row["runs"]) else 1
@@ -146,7 +146,7 @@ def simplest_tie(front: pd.DataFrame, pick: pd.Series, noise: dict | None = None
 def balanced_objectives(front: pd.DataFrame, noise: dict | None = None,
                         tie_tolerance: float = 0.02) -> list[str]:
     """The objectives `balanced` weighs for this front (those whose spread is beyond the noise)."""
-    from tuner.results.report import tie_margin
+    from tuner.noise import tie_margin
 
     runs = front["runs"] if "runs" in front.columns else pd.Series(1, index=front.index)
     runs = runs.fillna(1).astype(int)

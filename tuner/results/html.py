@@ -39,6 +39,8 @@ FAILURE_MEANING = {
     "insufficient_free_memory": "other processes held the memory this config asked for",
     "cpu_offload": "single stream far below its roofline (weights read from host memory)",
     "predicted_infeasible": "not launched: the memory model or an earlier failure ruled it out",
+    "predicted_dominated": "not launched: its best possible figures, read off launches already "
+                           "measured, are beaten beyond the noise (screened_by names the trial)",
     "gpu_busy": "not launched: the GPU stayed busy",
     "load_test_failed": "launched, but too many requests of a load level failed",
     "startup_timeout": "the server did not become ready in time",

@@ -25,7 +25,8 @@ from tuner import progress
 from tuner.search import requirement, space
 from tuner.search.sampler import make_sampler
 from tuner.search.storage import Heartbeat, RequeueOnce, open_storage, quiet_experimental, study_lock
-from tuner.search.trial import (CONSTRAINTS, DIRECTIONS, flat_attrs, predicted_grade,
+from tuner.search.trial import (CONSTRAINTS, DIRECTIONS, OBJECTIVES, extra_runs, flat_attrs,
+                                predicted_grade,
                                 config_key, describe, last_failure_message, offload_figures,
                                 penalty_values, record_outcome, run_dict,
                                 stop_if_every_request_failed)
@@ -36,7 +37,7 @@ from tuner.records import (Capacity, LaunchFailure, LaunchSpec, Platform,  # noq
 
 # Trials that were not launched (the memory model ruled them out, or the config was measured
 # already) do not count towards --trials, so a run of N trials means N launches at most.
-SKIPPED_KINDS = ("predicted_infeasible", "duplicate", "gpu_busy")
+SKIPPED_KINDS = ("predicted_infeasible", "predicted_dominated", "duplicate", "gpu_busy")
 # Many workers on one study: a worker waiting for another's launch of the same config polls this often.
 WAIT_POLL_S = 1.0
 MAX_ASKS_PER_TRIAL = 20
@@ -510,6 +511,23 @@ class Tuner:
                         launch_params, prediction))
                 study.tell(trial, penalty_values(self.cfg, study))
                 return "predicted_infeasible"
+        # a baseline is measured whatever the screen says: it is the reference a user compares with
+        screened = None if trial.user_attrs.get("baseline") else self.screen(study, params)
+        if screened is not None:
+            # no launch: what launches already measured say it can at best do is beaten
+            for key, value in common.items():
+                trial.set_user_attr(key, value)
+            trial.set_user_attr("failure", "predicted_dominated")
+            trial.set_user_attr("failure_message", screened.reason)
+            trial.set_user_attr("screened_by", screened.by)
+            for key in CONSTRAINTS:
+                trial.set_constraint(key, 0.0)
+            told = penalty_values(self.cfg, study)
+            bounds = tuple(told[i] if screened.bound.get(k) is None else screened.bound[k]
+                           for i, k in enumerate(OBJECTIVES))
+            study.tell(trial, bounds)   # its best possible figures: real numbers, not placeholders
+            log(f"  trial {trial.number}: not launched: {screened.reason}")
+            return "predicted_dominated"
         claimed = self.claim(study, trial, n_target)
         if claimed is not None:
             return claimed
@@ -560,6 +578,31 @@ class Tuner:
         log("  " + describe(frozen))
         stop_if_every_request_failed(frozen, outcome)
         return outcome.failure_kind or "ok"
+
+    def screen(self, study: optuna.Study, params: space.ServerParams):
+        """A screen.Screened when launches measured so far beat this config's best possible figures."""
+        from tuner import noise as noise_module
+        from tuner.search import screen
+
+        if not self.cfg.screen:
+            return None
+        measured, groups = [], {k: [] for k in OBJECTIVES}
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if not is_feasible(t) or not t.user_attrs.get("launch_at") and not t.user_attrs.get("levels"):
+                continue
+            runs = [dict(zip(OBJECTIVES, t.values))]
+            runs += [r for r in extra_runs(study, t.number) if not r.get("failure")]
+            figures = {}
+            for k in OBJECTIVES:
+                values = [float(r[k]) for r in runs if r.get(k) is not None]
+                figures[k] = sum(values) / len(values)
+                if len(values) >= 2:
+                    groups[k].append(values)
+            measured.append(screen.Measured(t.number, dict(t.params), figures, len(runs),
+                                            tuple(t.user_attrs.get("levels", ()))))
+        noise = noise_module.noise_estimate(groups)
+        return screen.screen(params.values(), measured, self.cfg.workload, engines.flags(), noise,
+                             self.cfg.tie_tolerance)
 
     def check_gpu_free(self, params: space.ServerParams) -> None:
         """Say so before launching when another process holds memory this config needs."""

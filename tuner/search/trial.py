@@ -21,6 +21,13 @@ CONSTRAINTS = ("memory", "launch", "load_test", "slo", "requirement")
 ALL_FAILED_SHARE = 0.9
 
 
+def extra_runs(study, number: int) -> list[dict]:
+    """The replicate and confirmation launches of trial `number` (older studies: confirm:N)."""
+    runs = list(study.user_attrs.get(f"runs:{number}", []))
+    runs += [dict(r, kind="confirm") for r in study.user_attrs.get(f"confirm:{number}", [])]
+    return runs
+
+
 def grade_failure(params: space.ServerParams, failure: LaunchFailure) -> float:
     """How far a memory failure missed (> 0), so the sampler learns a gradient, not a wall."""
     if failure.estimated_max_model_len and params.max_model_len:
