@@ -26,7 +26,9 @@ import re
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass, fields, replace
+import json
+import random
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,6 +41,7 @@ from tuner.errors import TunerError  # noqa: E402
 from tuner.run.process import Capacity, LaunchFailure  # noqa: E402
 from tuner.run.measure import TrialOutcome  # noqa: E402
 from tuner.load.metrics import LoadMetrics  # noqa: E402
+from tuner.records import LevelMetrics  # noqa: E402
 from tuner.search.study import Platform, Tuner  # noqa: E402
 
 STUDY = REPO / "bench" / "grid.toml"
@@ -72,6 +75,8 @@ class GridTable:
     """Recorded outcome per config: {key: row dict}, with the grid's feasible objective ranges."""
 
     rows: dict
+    noise: dict = field(default_factory=dict)   # the recording's launch-to-launch noise (noise.json)
+    rng: object = None                          # set: each replayed launch is jittered by that noise
 
     @classmethod
     def from_csv(cls, path: Path) -> "GridTable":
@@ -82,7 +87,9 @@ class GridTable:
             row = {k: _clean(v) for k, v in r.items()}
             row["failure"] = row.get("failure") or ""
             rows[key_of(row)] = row
-        return cls(rows)
+        noise_file = path.with_suffix(".noise.json")
+        noise = json.loads(noise_file.read_text()) if noise_file.exists() else {}
+        return cls(rows, noise)
 
     def feasible(self, key) -> bool:
         row = self.rows[key]
@@ -121,8 +128,31 @@ class GridTable:
         capacity = Capacity(**{f.name: _typed(f, row.get(f.name)) for f in fields(Capacity)
                                if f.name != "cache_config" and row.get(f.name) is not None})
         metrics = LoadMetrics(**{f.name: _typed(f, row.get(f.name)) for f in fields(LoadMetrics)
-                                 if f.name != "error_kinds" and row.get(f.name) is not None})
+                                 if f.name not in ("error_kinds", "levels") and row.get(f.name) is not None})
+        metrics = replace(metrics, levels=self.levels(row))
+        if self.rng is not None and self.noise:
+            metrics = self.jittered(metrics)
         return replace(base, capacity=capacity, metrics=metrics, load_s=row.get("load_s") or 0.0)
+
+    def levels(self, row: dict) -> tuple:
+        """The same-load levels a row recorded (c4_throughput_tok_s, c4_ttft_ms, ...), if any."""
+        out = []
+        for col in row:
+            m = re.fullmatch(r"c(\d+)_throughput_tok_s", col)
+            if m and row[col] is not None:
+                c = int(m.group(1))
+                out.append(LevelMetrics(name=f"c{c}", concurrency=c, throughput_tok_s=float(row[col]),
+                                        ttft_ms=row.get(f"c{c}_ttft_ms"), steady=True))
+        return tuple(sorted(out, key=lambda lv: lv.concurrency))
+
+    def jittered(self, m: LoadMetrics) -> LoadMetrics:
+        """A launch's figures: the table's mean times the measured launch-to-launch noise."""
+        def j(key, x):
+            cv = self.noise.get(key, {}).get("cv", 0.0)
+            return None if x is None else x * max(0.05, 1 + self.rng.gauss(0, cv))
+        levels = tuple(replace(lv, throughput_tok_s=j("throughput_tok_s", lv.throughput_tok_s),
+                               ttft_ms=j("ttft_ms", lv.ttft_ms)) for lv in m.levels)
+        return replace(m, levels=levels, **{k: j(k, getattr(m, k)) for k in OBJECTIVES})
 
 
 def _int(v):
@@ -170,12 +200,16 @@ def synthetic_table(node_gib: float = 12.0, non_kv_gib: float = 0.72) -> GridTab
 # ---------------------------------------------------------------- hypervolume
 
 
-def normaliser(table: GridTable, objectives=OBJECTIVES):
-    """Map a row to [0, 1]^3, larger better, 0 = the grid's worst feasible value; objectives left
-    out of `objectives` are 1 for every point (the volume is then a 2-D or 1-D one)."""
+def normaliser(table: GridTable, objectives=OBJECTIVES, log_ttft: bool = True):
+    """Map a row to [0, 1]^3, larger better, 0 = the grid's worst feasible value (the reference
+    point), 1 its best; TTFT on a log scale by default (40 ms against 80 ms counts as much as 400
+    against 800). Objectives left out of `objectives` are 1 for every point (a 2-D or 1-D volume)."""
     feasible = [table.rows[k] for k in table.rows if table.feasible(k)]
-    lo = {o: min(r[o] for r in feasible) for o in objectives}
-    hi = {o: max(r[o] for r in feasible) for o in objectives}
+
+    def value(row, o):
+        return math.log(row[o]) if o == "ttft_ms" and log_ttft else row[o]
+    lo = {o: min(value(r, o) for r in feasible) for o in objectives}
+    hi = {o: max(value(r, o) for r in feasible) for o in objectives}
 
     def point(row) -> tuple[float, ...]:
         out = []
@@ -183,7 +217,7 @@ def normaliser(table: GridTable, objectives=OBJECTIVES):
             if o not in objectives:
                 out.append(1.0)
                 continue
-            x = (row[o] - lo[o]) / ((hi[o] - lo[o]) or 1.0)
+            x = (value(row, o) - lo[o]) / ((hi[o] - lo[o]) or 1.0)
             out.append(x if MAXIMIZE[o] else 1.0 - x)
         return tuple(out)
     return point
@@ -220,10 +254,11 @@ class Reached(TunerError):
 class TableDevice:
     """A `measure` that answers from the table and follows the hypervolume of what it launched."""
 
-    def __init__(self, table: GridTable, target_hv: float | None, objectives=OBJECTIVES):
+    def __init__(self, table: GridTable, target_hv: float | None, objectives=OBJECTIVES,
+                 log_ttft: bool = True):
         self.table = table
         self.target_hv = target_hv
-        self.point = normaliser(table, objectives)
+        self.point = normaliser(table, objectives, log_ttft)
         self.launches: list[tuple] = []
         self.points: list[tuple] = []
         self.reached_at: int | None = None
@@ -268,19 +303,26 @@ class RunResult:
 
 def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
            max_launches: int | None = None, stop_at_target: bool = True,
-           study_path: Path = STUDY, objectives=OBJECTIVES) -> RunResult:
-    """One tuning run of `sampler` against the table, in a throwaway storage."""
+           study_path: Path = STUDY, objectives=OBJECTIVES, screen: bool = False,
+           log_ttft: bool = True) -> RunResult:
+    """One tuning run of `sampler` against the table, in a throwaway storage. A table recorded
+    with its noise (grid-levels: `<table>.noise.json`) answers each launch with its mean times that
+    noise, and the tuner replicates its baselines as a study does; the hypervolume is taken on the
+    table's means (what each launched config is, not what one launch of it read)."""
     from optuna.trial import TrialState
 
-    point = normaliser(table, objectives)
+    point = normaliser(table, objectives, log_ttft)
     grid_hv = hypervolume([point(table.rows[k]) for k in table.rows if table.feasible(k)])
-    device = TableDevice(table, HV_SHARE * grid_hv if stop_at_target else None, objectives)
+    if table.noise:
+        table = replace(table, rng=random.Random(f"replay:{seed}"))
+    device = TableDevice(table, HV_SHARE * grid_hv if stop_at_target else None, objectives, log_ttft)
     budget = max_launches or len(table.rows)
     with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
         cfg = load_study(study_path, {"storage": f"sqlite:///{tmp}/replay.db",
                                       "results_dir": tmp, "sampler": sampler, "seed": seed})
-        # one recorded measurement per config: a replicate launch would replay the same figures
-        cfg = replace(cfg, use_memory_model=memory_model, replicates=0)
+        # without the recording's noise a replicate launch would replay the same figures
+        cfg = replace(cfg, use_memory_model=memory_model, screen=screen,
+                      replicates=cfg.replicates if table.noise else 0)
         tuner = ReplayTuner(cfg, table, device)
         with contextlib.redirect_stderr(io.StringIO()):
             try:
@@ -334,6 +376,10 @@ def record(results_dirs: list[Path], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(out, index=False)
     print(f"wrote {out}: {len(df)} trials, {int((df['failure'].fillna('') == '').sum())} ran")
+    noise_files = [d / "noise.json" for d in results_dirs if (d / "noise.json").exists()]
+    if noise_files:   # the recording's launch-to-launch noise, which a replay applies to each launch
+        out.with_suffix(".noise.json").write_text(noise_files[0].read_text())
+        print(f"wrote {out.with_suffix('.noise.json')}")
 
 
 def load_table(path: str | None) -> GridTable:
@@ -358,7 +404,13 @@ def main(argv=None) -> int:
     ap.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=SAMPLERS)
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--gp-seeds", type=int, default=10, help="GP is slow per trial")
+    ap.add_argument("--study", type=Path, default=STUDY,
+                    help=f"the study file the table was recorded with (default {STUDY.relative_to(REPO)})")
     ap.add_argument("--no-memory-model", action="store_true")
+    ap.add_argument("--screen", action="store_true",
+                    help="screen configs with launches already measured (the tuner's default; valid "
+                         "only for a table recorded with the same-load protocol)")
+    ap.add_argument("--linear-ttft", action="store_true", help="TTFT on a linear scale in the volume")
     ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES,
                     help="score the hypervolume on these (the tuner still optimises all three)")
     ap.add_argument("--record", metavar="RESULTS_DIR", nargs="+",
@@ -372,13 +424,18 @@ def main(argv=None) -> int:
     n = len(table.rows)
     memory_model = not args.no_memory_model
     print(f"table: {describe_table(table)}")
-    print(f"memory model {'on' if memory_model else 'off'}; target {HV_SHARE:.0%} of the grid's "
-          f"hypervolume over {', '.join(args.objectives)}; launches count baselines and failed "
-          "launches, not duplicates or skips")
+    print(f"memory model {'on' if memory_model else 'off'}, screen {'on' if args.screen else 'off'}; "
+          f"target {HV_SHARE:.0%} of the grid's hypervolume over {', '.join(args.objectives)}"
+          f"{'' if args.linear_ttft else ' (TTFT on a log scale)'}, each normalised by the grid's "
+          "feasible range, reference point = the worst value of each; launches count baselines, "
+          "replicates and failed launches, not duplicates or skips"
+          + ("; each launch jittered by the recording's noise (CV "
+             + ", ".join(f"{k} {v['cv']:.1%}" for k, v in table.noise.items()) + ")" if table.noise else ""))
     medians = {}
     for name in args.samplers:
         seeds = args.gp_seeds if name == "gp" else args.seeds
-        runs = [replay(table, name, seed, memory_model, objectives=tuple(args.objectives))
+        runs = [replay(table, name, seed, memory_model, objectives=tuple(args.objectives),
+                       study_path=args.study, screen=args.screen, log_ttft=not args.linear_ttft)
                 for seed in range(seeds)]
         needed = [r.reached_at if r.reached_at is not None else math.inf for r in runs]
         reached = [x for x in needed if x != math.inf]
