@@ -115,7 +115,7 @@ def main() -> int:
         study = load_existing(cfg)
         df = report.trials_frame(study, cfg.tie_tolerance)
         frames[seed] = (cfg, study, df)
-        launched = int((df["failure"].fillna("") != "predicted_infeasible").sum())
+        launched = int((~df["failure"].fillna("").isin(["predicted_infeasible", "predicted_dominated"])).sum())
         print(f"\n== seed {seed}: {len(df)} trials, {launched} launched; "
               f"{report.describe_noise(df.attrs.get('noise'))}")
         print(report.table(df[df["pareto"]]))
