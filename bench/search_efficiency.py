@@ -45,6 +45,7 @@ from tuner.records import LevelMetrics  # noqa: E402
 from tuner.search.study import Platform, Tuner  # noqa: E402
 
 STUDY = REPO / "bench" / "grid.toml"
+STUDY_LEVELS = REPO / "bench" / "grid-levels.toml"     # the same-load recording (grid-levels-cpu.csv)
 TABLE = REPO / "bench" / "data" / "grid-tiny-cpu.csv"
 KEYS = ("gpu_memory_utilization", "max_model_len", "max_num_seqs")
 OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
@@ -299,6 +300,7 @@ class RunResult:
     reached_at: int | None    # launches needed for the target, None if never
     kinds: list               # every finished trial's failure kind ("" = ran), skips included
     skipped: list             # keys predicted infeasible (not launched)
+    dominated: list = field(default_factory=list)   # keys the screen skipped (predicted_dominated)
 
 
 def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
@@ -333,7 +335,9 @@ def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
         kinds = [t.user_attrs.get("failure", "") for t in trials]
         skipped = [key_of(t.params) for t in trials
                    if t.user_attrs.get("failure") == "predicted_infeasible"]
-    return RunResult(sampler, seed, device.launches, device.reached_at, kinds, skipped)
+        dominated = [key_of(t.params) for t in trials
+                     if t.user_attrs.get("failure") == "predicted_dominated"]
+    return RunResult(sampler, seed, device.launches, device.reached_at, kinds, skipped, dominated)
 
 
 def spread(values: list[float]) -> str:

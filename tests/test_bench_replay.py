@@ -52,3 +52,42 @@ def test_memory_model_skips_configs_that_cannot_fit():
     assert run.skipped                           # learned from the first failure(s)
     assert all(table.rows[k]["failure"] for k in run.skipped)   # no false skips here
     assert len(wasted) < len([k for k in table.rows if table.rows[k]["failure"]])
+
+
+def _levels_table(noise_cv: float = 0.05) -> se.GridTable:
+    """The synthetic grid with same-load level columns (levels 4 and 16: n slots serve n clients,
+    the rest queue) and a recorded noise, as grid-levels-cpu.csv has them."""
+    table = se.synthetic_table(node_gib=12.0)
+    rows = {}
+    for key, row in table.rows.items():
+        row = dict(row)
+        if not row["failure"]:
+            mns, stream = row["max_num_seqs"], 40.0
+            for c in (4, 16):
+                run = min(c, mns)
+                row[f"c{c}_throughput_tok_s"] = 0.9 * stream * run
+                row[f"c{c}_ttft_ms"] = 20.0 + max(0.0, c / run - 1) * 1000.0 * 32 / stream
+            row.update(single_stream_tok_s=stream, throughput_tok_s=row["c16_throughput_tok_s"],
+                       ttft_ms=row["c16_ttft_ms"])
+        rows[key] = row
+    noise = {k: {"cv": noise_cv, "dof": 4, "configs": 2} for k in se.OBJECTIVES}
+    return se.GridTable(rows, noise)
+
+
+def test_a_table_with_levels_and_noise_replays_noisy_launches_and_the_screen_skips():
+    table = _levels_table()
+    spec = LaunchSpec(model="m", params=ServerParams(gpu_memory_utilization=0.12, max_model_len=8192,
+                                                     max_num_seqs=4), log_path="x.log")
+    answer = table.outcome(spec)
+    assert [lv.name for lv in answer.metrics.levels] == ["c4", "c16"]
+    assert answer.metrics.levels[0].throughput_tok_s == pytest.approx(0.9 * 40 * 4)
+    # replayed, each launch reads the mean times the recorded noise; replicates are launched
+    off = se.replay(table, "random", 0, memory_model=True, study_path=se.STUDY_LEVELS,
+                    stop_at_target=False, max_launches=12)
+    on = se.replay(table, "random", 0, memory_model=True, study_path=se.STUDY_LEVELS,
+                   stop_at_target=False, max_launches=12, screen=True)
+    assert off.launches.count(off.launches[0]) == 3          # the first baseline and its 2 replicates
+    assert "predicted_dominated" not in off.kinds
+    assert "predicted_dominated" in on.kinds
+    assert on.dominated and all(k[2] < 16 for k in on.dominated)   # only configs with fewer slots
+    assert not set(on.dominated) & set(on.launches)                # and those were not launched
