@@ -167,3 +167,24 @@ def test_single_stream_falls_back_to_the_server_itl_when_streams_arrive_in_one_r
     assert m.single_stream_tok_s == pytest.approx(250.0)
     timed = phase("single_stream", [req(0.1, (0.004,) * 31)], 1.0)
     assert summarize([timed], Workload()).single_stream_source == "client"
+
+
+def test_a_stream_whose_chunks_arrived_together_is_not_timed_by_the_client():
+    # seen on the 2-core box: the first chunk at 124 ms, then 30 more within 0.1 ms (the server's
+    # own inter-token latency was 3.4 ms): 82,923 tok/s if timed by the client
+    burst = req(0.124, (0.0032,) + (3e-6,) * 30)
+    assert decode_tok_s(burst) is None
+    assert decode_tok_s(req(0.011, (0.0034,) * 31)) == pytest.approx(31 / (31 * 0.0034))
+    # a few chunks together (one read caught two) is still a timed stream
+    assert decode_tok_s(req(0.011, (0.0034,) * 25 + (1e-6,) * 6)) is not None
+    # a single stream with some requests buffered: the median of the timed ones
+    itl = "vllm:inter_token_latency_seconds"
+    mixed = phase("single_stream", [burst, burst, req(0.011, (0.004,) * 31), req(0.011, (0.004,) * 31)],
+                  1.0, before=((itl + "_sum", 0.0), (itl + "_count", 0.0)),
+                  after=((itl + "_sum", 124 * 0.0035), (itl + "_count", 124.0)))
+    m = summarize([mixed], Workload())
+    assert m.single_stream_source == "client" and m.single_stream_tok_s == pytest.approx(250.0)
+    only_bursts = phase("single_stream", [burst] * 4, 1.0, before=((itl + "_sum", 0.0), (itl + "_count", 0.0)),
+                        after=((itl + "_sum", 124 * 0.0035), (itl + "_count", 124.0)))
+    m = summarize([only_bursts], Workload())
+    assert m.single_stream_source == "server_itl" and m.single_stream_tok_s == pytest.approx(1 / 0.0035)

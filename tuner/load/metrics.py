@@ -56,9 +56,24 @@ def tpot_s(r) -> float | None:
     return (r.latency_s - r.ttft_s) / (r.output_tokens - 1)
 
 
+# Content chunks closer than this came out of one read: no engine streams one request's tokens
+# 10,000 a second, so such a stream was buffered (a starved client on a busy CPU, a proxy) and
+# its arrival times do not time decoding.
+COALESCED_GAP_S = 1e-4
+
+
+def coalesced(r) -> bool:
+    """Whether most of a request's content chunks arrived together (its decode cannot be timed)."""
+    gaps = r.itl_s
+    return bool(gaps) and sum(1 for g in gaps if g < COALESCED_GAP_S) > len(gaps) / 2
+
+
 def decode_tok_s(r) -> float | None:
-    """One request's decode rate: (output_tokens - 1) / (latency - ttft)."""
+    """One request's decode rate: (output_tokens - 1) / (latency - ttft); None for a stream whose
+    chunks arrived together (`coalesced`)."""
     if not r.ok or r.ttft_s is None or r.output_tokens < 2 or r.latency_s <= r.ttft_s:
+        return None
+    if coalesced(r):
         return None
     return (r.output_tokens - 1) / (r.latency_s - r.ttft_s)
 
@@ -250,7 +265,7 @@ def summarize(phases, workload) -> LoadMetrics:
         out["single_stream_tok_s_spread"] = iqr(rates)
         out["single_stream_source"] = "client"
         if not rates:
-            # Every stream arrived in one read (a starved client on a busy CPU sees this), so the
+            # Every stream arrived together (a starved client on a busy CPU sees this), so the
             # client cannot time decoding; the server's own inter-token histogram over the phase can.
             itl_ms = _hist_mean_ms(single, _sample_name("itl_seconds"))
             if itl_ms:
