@@ -91,10 +91,7 @@ def pooled_noise(*noises: dict | None) -> dict:
 
 def counterparts(member, front, noise: dict) -> list:
     """The rows of `front` whose every objective ties with `member`'s (the same config or not)."""
-    return [o for _, o in front.iterrows() if all(
-        abs(float(member[k]) - float(o[k])) <= noise_module.tie_margin(
-            k, float(member[k]), float(o[k]), int(member.get("runs", 1)), int(o.get("runs", 1)),
-            noise, 0.02) for k in report.OBJECTIVES)]
+    return [o for _, o in export.ties_with(front, member, noise, 0.02).iterrows()]
 
 
 def main() -> int:

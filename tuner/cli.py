@@ -419,12 +419,11 @@ def cmd_measure(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from tuner.run.process import check_engine_cmd
     from tuner.models.checkpoint import resolve_model
+    from tuner.records import Platform
+    from tuner.run.process import check_engine_cmd
     from tuner.search.storage import open_storage
     from tuner.search.study import check_results_dir, detect_platform
-
-    from tuner.records import Platform
 
     cfg = load_config(args)
     lines = [f"study      {cfg.source} (name {cfg.name})"]

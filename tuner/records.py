@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The study's three objectives, in the order Optuna stores their values, and which way is better.
+OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
+MAXIMIZE = {"single_stream_tok_s": True, "throughput_tok_s": True, "ttft_ms": False}
+
 # ---------------------------------------------------------------- launching a server
 
 @dataclass(frozen=True)

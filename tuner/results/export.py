@@ -89,17 +89,19 @@ def ties_with(front: pd.DataFrame, pick: pd.Series, noise: dict | None = None,
     """The members of `front` whose every objective is within the noise of `pick`'s (pick too)."""
     from tuner.noise import tie_margin
 
-    def runs(row) -> int:
-        return int(row["runs"]) if "runs" in row and pd.notna(row["runs"]) else 1
-
     keep = []
-    for i, row in front.iterrows():
+    for _, row in front.iterrows():
         keep.append(all(
             abs(float(row[k]) - float(pick[k])) <= tie_margin(k, float(row[k]), float(pick[k]),
-                                                              runs(row), runs(pick), noise,
+                                                              _runs(row), _runs(pick), noise,
                                                               tie_tolerance)
             for k in OBJECTIVES))
     return front[keep]
+
+
+def _runs(row: pd.Series) -> int:
+    """How many successful launches a row's figures are the mean of."""
+    return int(row["runs"]) if "runs" in row and pd.notna(row["runs"]) else 1
 
 
 def distance_from_defaults(row: pd.Series, defaults: dict | None) -> tuple[int, float]:
@@ -137,8 +139,7 @@ def simplest_tie(front: pd.DataFrame, pick: pd.Series, noise: dict | None = None
     def order(item):
         _, row = item
         differ, far = distance_from_defaults(row, defaults)
-        runs = int(row["runs"]) if "runs" in row and pd.notna(row["runs"]) else 1
-        return differ, far, -runs, int(row["trial"])
+        return differ, far, -_runs(row), int(row["trial"])
 
     return min(tied.iterrows(), key=order)[1]
 

@@ -11,11 +11,8 @@ import pandas as pd
 from tuner import engines
 from tuner.config import StudyConfig
 from tuner.noise import noise_estimate, noise_z, tie_margin
-from tuner.records import is_feasible
-from tuner.search.trial import extra_runs
-
-OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
-MAXIMIZE = {"single_stream_tok_s": True, "throughput_tok_s": True, "ttft_ms": False}
+from tuner.records import MAXIMIZE, OBJECTIVES, is_feasible  # noqa: F401  (callers read them here)
+from tuner.search.trial import extra_runs, successful_runs
 LABELS = {"single_stream_tok_s": "single-stream speed (tok/s, concurrency 1)",
           "throughput_tok_s": "throughput (steady-state output tok/s, top level)",
           "ttft_ms": "TTFT p50 at the TTFT level (ms)"}
@@ -66,10 +63,8 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
         row.setdefault("failure", "")
         row.setdefault("baseline", "")
         if t.state == TrialState.COMPLETE and feasible:
-            runs = [dict(zip(OBJECTIVES, t.values))]
-            extra = extra_runs(study, t.number)
-            runs += [r for r in extra if not r.get("failure")]
-            failed = [r for r in extra if r.get("failure")]
+            runs = successful_runs(study, t)
+            failed = [r for r in extra_runs(study, t.number) if r.get("failure")]
             row["runs"] = len(runs)
             row["relaunch_failed"] = failed[0]["failure"] if failed else ""
             for k in OBJECTIVES:

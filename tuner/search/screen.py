@@ -27,10 +27,7 @@ from dataclasses import dataclass
 
 from tuner.engines.base import Flag
 from tuner.noise import tie_margin
-from tuner.records import Workload
-
-OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
-MAXIMIZE = {"single_stream_tok_s": True, "throughput_tok_s": True, "ttft_ms": False}
+from tuner.records import MAXIMIZE, OBJECTIVES, Workload
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,10 @@ from tuner import progress
 from tuner.search import requirement, space
 from tuner.search.sampler import make_sampler
 from tuner.search.storage import Heartbeat, RequeueOnce, open_storage, quiet_experimental, study_lock
-from tuner.search.trial import (CONSTRAINTS, DIRECTIONS, OBJECTIVES, extra_runs, flat_attrs,
-                                predicted_grade,
-                                config_key, describe, last_failure_message, offload_figures,
-                                penalty_values, record_outcome, run_dict,
-                                stop_if_every_request_failed)
+from tuner.search.trial import (CONSTRAINTS, DIRECTIONS, OBJECTIVES, config_key, describe,
+                                flat_attrs, last_failure_message, offload_figures, penalty_values,
+                                predicted_grade, record_outcome, run_dict,
+                                stop_if_every_request_failed, successful_runs)
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
 from tuner.records import (Capacity, LaunchFailure, LaunchSpec, Platform,  # noqa: F401
@@ -590,8 +589,7 @@ class Tuner:
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             if not is_feasible(t) or not t.user_attrs.get("launch_at") and not t.user_attrs.get("levels"):
                 continue
-            runs = [dict(zip(OBJECTIVES, t.values))]
-            runs += [r for r in extra_runs(study, t.number) if not r.get("failure")]
+            runs = successful_runs(study, t)
             figures = {}
             for k in OBJECTIVES:
                 values = [float(r[k]) for r in runs if r.get(k) is not None]

@@ -11,11 +11,11 @@ from optuna.trial import FrozenTrial
 
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
-from tuner.records import LaunchFailure, LoadMetrics, Platform, TrialOutcome, is_feasible
+from tuner.records import (MAXIMIZE, OBJECTIVES, LaunchFailure, LoadMetrics, Platform, TrialOutcome,
+                           is_feasible)
 from tuner.search import requirement, space
 
-OBJECTIVES = ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")
-DIRECTIONS = ("maximize", "maximize", "minimize")
+DIRECTIONS = tuple("maximize" if MAXIMIZE[k] else "minimize" for k in OBJECTIVES)
 CONSTRAINTS = ("memory", "launch", "load_test", "slo", "requirement")
 # A study stops at once when (nearly) every request of a launch failed with one error.
 ALL_FAILED_SHARE = 0.9
@@ -26,6 +26,13 @@ def extra_runs(study, number: int) -> list[dict]:
     runs = list(study.user_attrs.get(f"runs:{number}", []))
     runs += [dict(r, kind="confirm") for r in study.user_attrs.get(f"confirm:{number}", [])]
     return runs
+
+
+def successful_runs(study, t) -> list[dict]:
+    """Every successful launch of measured trial `t`'s config, objectives by name: the trial's own,
+    then its replicates and confirmations that did not fail."""
+    return [dict(zip(OBJECTIVES, t.values))] + [r for r in extra_runs(study, t.number)
+                                                if not r.get("failure")]
 
 
 def grade_failure(params: space.ServerParams, failure: LaunchFailure) -> float:
