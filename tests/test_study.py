@@ -110,6 +110,9 @@ def test_trial_left_running_by_a_killed_tuner_is_recovered(tmp_path):
     cfg = fake_config(tmp_path)
     run(cfg, FakeDevice(), 2)
     study = load_existing(cfg)
+    # a config no baseline has: a random one could be the snapped hand-tuned baseline, whose retry
+    # is then a duplicate, and the run launches one more config after it
+    study.enqueue_trial({"gpu_memory_utilization": 0.5, "max_model_len": 16384, "max_num_seqs": 16})
     orphan = study.ask({"gpu_memory_utilization": optuna.distributions.FloatDistribution(0.1, 0.9, step=0.1),
                         "max_model_len": optuna.distributions.CategoricalDistribution([1024, 4096, 16384, 65536]),
                         "max_num_seqs": optuna.distributions.CategoricalDistribution([1, 4, 16, 64])})
