@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 import json
 import socket
 import threading
@@ -16,6 +17,7 @@ from tuner.load.client import (Level, PhaseResult, SSEStream, Workload, build_pr
                            load_plan, parse_prometheus, run_load_test, stream_request,
                            ttft_level_name)
 from tuner.load.metrics import summarize
+from tuner.load.plan import requests_to_prepare
 
 MODEL = "fake-model"
 BOS = 1
@@ -345,6 +347,37 @@ def test_run_load_test_phases_against_fake_server(fake, capsys):
     assert m.single_stream_tok_s > 0 and m.ttft_ms > 0 and m.concurrency == 4
     err = capsys.readouterr().err
     assert "c4: 16/16 requests" in err and "tok/s" in err
+
+
+def test_time_floor_keeps_a_level_sending_until_it_has_run_long_enough(fake):
+    # 8 tokens at 10 ms each: a request takes about 80 ms, so 4 waves of 4 last about 0.3 s; a
+    # floor of 1 s keeps the level sending for a second (about 12 waves), within the 32-wave cap
+    fake.delay = 0.01
+    w = Workload(prompt_tokens=16, output_tokens=8, warmup_requests=0, single_stream_requests=2,
+                 throughput_requests=4, levels=(4,), level_seconds=1.0, max_waves=32)
+    plan = load_plan(w)
+    assert plan[-1] == Level("c4", 4, 16, seconds=1.0, max_requests=128)
+    # prompts to prepare: a second of 4 streams at the latency measured one level down, plus a
+    # wave to drain, never above the cap nor below the floor; the cap without a latency to go by
+    assert requests_to_prepare(plan[-1], 0.1) == 44
+    assert requests_to_prepare(plan[-1], 0.001) == 128
+    assert requests_to_prepare(plan[-1], 10.0) == 16
+    assert requests_to_prepare(plan[-1], None) == 128
+    assert requests_to_prepare(Level("c4", 4, 16), 0.1) == 16      # no floor: the count is fixed
+    phases = run_load_test(fake.base_url, MODEL, w, progress=False)
+    level = phases[-1]
+    assert level.name == "c4"
+    assert level.wall_s >= 1.0                                     # it ran at least its floor
+    assert 16 < len(level.requests) < 128 and all(r.ok for r in level.requests)
+    assert max(r.start_s for r in level.requests) >= 1.0 - 0.2     # still sending near the floor
+    assert len(set(fake.prompts)) == len(fake.prompts)             # the extra prompts are new ones
+    m = summarize(phases, w)
+    lv = m.levels[-1]
+    assert lv.steady and lv.window_end_s >= 0.8 and lv.requests == len(level.requests)
+    # TTFT counts the requests sent in the steady window only (the first wave is left out)
+    assert 0 < lv.ttft_requests <= len(level.requests) - 4
+    # a rate level sends rate x the floor when that is more than throughput_requests
+    assert load_plan(replace(w, levels=(), request_rates=(50.0,), max_concurrency=1))[-1].requests == 50
 
 
 def test_open_loop_and_failed_share_marks_the_trial():

@@ -110,11 +110,16 @@ def test_summarize_objectives_and_cross_checks():
     assert m.single_stream_ttft_ms == 125.0
     assert m.throughput_level == "throughput" and m.steady
     assert m.throughput_tok_s_wall == 100 / 2.5
-    assert m.ttft_ms == pytest.approx(550.0)                       # p50 of 100..1000 ms
-    assert m.ttft_ms_p90 == pytest.approx(910.0)
-    assert m.ttft_ms_p99 == pytest.approx(991.0)
-    assert m.ttft_ms_mean == pytest.approx(550.0)
-    assert m.ttft_ms_spread == pytest.approx(450.0)
+    # TTFT in the steady state: the window opens at the first completion (0.55 s) and closes at
+    # the last send (0.9 s), so the requests sent at 0.6-0.9 s count: TTFTs 700, 800, 900, 1000 ms
+    assert (m.window_start_s, m.window_end_s) == pytest.approx((0.55, 0.9))
+    assert m.ttft_ms == pytest.approx(850.0)
+    assert m.ttft_ms_p90 == pytest.approx(970.0)
+    assert m.ttft_ms_p99 == pytest.approx(997.0)
+    assert m.ttft_ms_mean == pytest.approx(850.0)
+    assert m.ttft_ms_spread == pytest.approx(150.0)
+    assert m.ttft_ms_all == pytest.approx(550.0)                   # p50 of all ten, 100..1000 ms
+    assert m.levels[1].ttft_requests == 4
     assert m.tpot_ms == pytest.approx(50.0) and m.itl_ms == pytest.approx(50.0)
     assert m.e2e_ms == pytest.approx(1000.0)
     assert m.requests_per_s == 4.0

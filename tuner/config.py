@@ -539,9 +539,9 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
 
     for key, value in workload.items():
         if key in ("prompt_tokens", "output_tokens", "single_stream_requests",
-                   "throughput_requests", "max_concurrency", "waves", "ttft_level") and value < 1:
+                   "throughput_requests", "max_concurrency", "waves", "max_waves", "ttft_level") and value < 1:
             raise _fail(source, f"workload.{key}", f"must be >= 1, got {value}")
-        if key in ("warmup_requests",) and value < 0:
+        if key in ("warmup_requests", "level_seconds") and value < 0:
             raise _fail(source, f"workload.{key}", f"must be >= 0, got {value}")
         if key in ("request_timeout_s", "request_rate") and value is not None and value <= 0:
             raise _fail(source, f"workload.{key}", f"must be > 0, got {value}")

@@ -94,6 +94,11 @@ class Workload:
     ttft_level: int | None = None        # the level whose TTFT p50 is the objective; None = the top level
     waves: int = 4                       # a closed-loop level sends at least waves x concurrency requests ...
     throughput_requests: int = 32        # ... and at least this many (a rate level sends this many)
+    # ... and keeps sending until it has run level_seconds (a steady state long enough to average
+    # over engine steps, on a fast GPU too), at most max_waves x concurrency requests; a rate level
+    # sends at least rate x level_seconds requests. 0 = no time floor.
+    level_seconds: float = 0.0
+    max_waves: int = 32
     max_concurrency: int = 64            # top of the default ladder
     concurrency: int | None = None       # old spelling of levels = [concurrency]
     request_rate: float | None = None    # old spelling of request_rates = [request_rate]
@@ -140,8 +145,10 @@ class Level:
 
     name: str                            # "single_stream" | "c16" | "r2.5"
     concurrency: int                     # closed loop: requests in flight; open loop: the client's cap
-    requests: int
+    requests: int                        # at least this many (a closed level with a time floor may send more)
     request_rate: float | None = None    # open loop (Poisson arrivals), None for closed loop
+    seconds: float = 0.0                 # closed loop: keep sending until the level has run this long ...
+    max_requests: int = 0                # ... but no more than this many requests (0: `requests`)
 
 
 @dataclass(frozen=True)
@@ -201,10 +208,12 @@ class LevelMetrics:
     goodput_req_s: float | None = None
     meets_slos: bool | None = None         # p90 TTFT/TPOT/E2E within the workload's SLOs (None: none set)
     decode_tok_s: float | None = None      # median per-request (output - 1) / (latency - ttft)
-    ttft_ms: float | None = None           # p50, from request start (open loop: scheduled arrival)
-    ttft_ms_p90: float | None = None
+    ttft_ms: float | None = None           # p50 of the requests sent in the steady window (all when none),
+    ttft_ms_p90: float | None = None       # from request start (open loop: scheduled arrival)
     ttft_ms_p99: float | None = None
     ttft_ms_mean: float | None = None
+    ttft_ms_all: float | None = None       # p50 over every request, the first wave's burst included
+    ttft_requests: int = 0                 # requests the TTFT percentiles are over
     tpot_ms: float | None = None
     tpot_ms_p90: float | None = None
     itl_ms: float | None = None
@@ -233,6 +242,9 @@ class LoadMetrics:
       sent (drain starts), output tokens of content chunks arriving in it over its length.
     - `ttft_ms`: p50 TTFT at the workload's TTFT level (`ttft_level`, else the top level), from
       request start, so time queued in the server counts; open loop from the scheduled arrival.
+      Steady state: over the requests sent inside the level's steady window (closed loop: the
+      first wave, sent all at once at the level's start, is left out), over all when it has none.
+      `ttft_ms_all` is the p50 over every request of that level (what `vllm bench serve` reports).
     - The TPOT/ITL/E2E percentiles, preemptions, KV usage and server cross-checks are those of the
       throughput level; `levels` holds every level's figures (the config's curve).
     - `error_rate`: failed / sent over every measured level.
@@ -247,6 +259,7 @@ class LoadMetrics:
     ttft_ms_p90: float | None = None
     ttft_ms_p99: float | None = None
     ttft_ms_mean: float | None = None
+    ttft_ms_all: float | None = None      # p50 over every request of the TTFT level, first wave included
     single_stream_ttft_ms: float | None = None
     single_stream_source: str = ""        # "client" | "server_itl" (streams came in one read)
     tpot_ms: float | None = None          # p50

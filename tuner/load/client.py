@@ -28,7 +28,8 @@ except ImportError:  # pragma: no cover
     uvloop = None
 
 # the records and the load plan moved out (tuner.records, tuner.load.plan); importers still find them here
-from tuner.load.plan import closed_levels, default_levels, level_lengths, load_plan, ttft_level_name  # noqa: F401,E402
+from tuner.load.plan import (closed_levels, default_levels, extra_lengths, level_lengths, load_plan,  # noqa: F401,E402
+                             requests_to_prepare, ttft_level_name)
 from tuner.records import Level, PhaseResult, RequestResult, Workload  # noqa: F401,E402
 
 
@@ -280,9 +281,14 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
                     concurrency: int, chat: bool = False, timeout_s: float = 300.0,
                     request_rate: float | None = None, seed: int = 0, metrics_poll_s: float | None = None,
                     progress: bool = True, clock: Callable[[], float] = time.perf_counter,
-                    endpoint: str = "completions", engine: str | None = None) -> PhaseResult:
+                    endpoint: str = "completions", engine: str | None = None,
+                    min_requests: int | None = None, min_seconds: float = 0.0) -> PhaseResult:
     """Send `payloads` closed-loop at `concurrency`, or open-loop Poisson at `request_rate` (in-flight
-    capped at `concurrency`), reading /metrics before, during (gauge peaks) and after."""
+    capped at `concurrency`), reading /metrics before, during (gauge peaks) and after.
+
+    Closed loop with `min_seconds`: the first `min_requests` payloads are always sent, the rest only
+    while the phase has run less than `min_seconds` (a time floor; payloads not sent are dropped).
+    """
     url = endpoint_url(base_url, endpoint)
     gauges = set(engines.get(engine).server_gauges)
     before = await fetch_server_metrics(session, base_url, engine)
@@ -315,9 +321,12 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
 
     if request_rate is None:
         it = iter(range(len(payloads)))
+        floor = len(payloads) if min_requests is None else min(min_requests, len(payloads))
 
         async def worker() -> None:
             for i in it:  # a shared iterator: each worker takes the next request when it is free
+                if i >= floor and clock() - t0 >= min_seconds:
+                    return    # the floors are met: the level drains from here
                 await send(i)
 
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(payloads)))))
@@ -343,7 +352,8 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
         stop.set()
         await poller
     after = await fetch_server_metrics(session, base_url, engine)
-    return PhaseResult(name=name, concurrency=concurrency, wall_s=wall, requests=tuple(results),
+    return PhaseResult(name=name, concurrency=concurrency, wall_s=wall,
+                       requests=tuple(r for r in results if r is not None),
                        server_metrics_before=before, server_metrics_after=after,
                        server_metrics_peak=tuple(sorted(peaks.items())), request_rate=request_rate)
 
@@ -396,17 +406,32 @@ async def run_load_test_async(base_url: str, model: str, workload: Workload,
     used = 0
     for lv, sizes in zip(plan, lengths):
         mine, used = prompts[used:used + lv.requests], used + lv.requests
-        payloads = [request_payload(model, p, out, w.endpoint, engine) for p, (_, out) in zip(mine, sizes)]
         if alive is not None and not alive():
             break   # the server died: the remaining levels would only count connection errors
+        more = requests_to_prepare(lv, _median_latency(phases[-1]) if phases else None) - lv.requests
+        if more > 0:   # a time floor: prompts for the requests beyond the floor, built before it starts
+            run_progress.phase(f"building prompts for {lv.name}")
+            extra = extra_lengths(w, lv, more)
+            async with new_session(16, engine=engine) as session:
+                mine = mine + await build_prompts_of_lengths(
+                    session, base_url, model, [p for p, _ in extra], w.endpoint,
+                    seed=w.seed * 7919 + lv.concurrency + 1, engine=engine)
+            sizes = sizes + extra
+        payloads = [request_payload(model, p, out, w.endpoint, engine) for p, (_, out) in zip(mine, sizes)]
         async with new_session(lv.concurrency, engine=engine) as session:
             phases.append(await run_phase(session, base_url, lv.name, payloads,
                                           concurrency=lv.concurrency, chat=chat,
                                           timeout_s=w.request_timeout_s, request_rate=lv.request_rate,
                                           seed=w.seed, metrics_poll_s=w.metrics_poll_s,
-                                          progress=progress, endpoint=w.endpoint, engine=engine))
+                                          progress=progress, endpoint=w.endpoint, engine=engine,
+                                          min_requests=lv.requests, min_seconds=lv.seconds))
     run_progress.phase("stopping")   # the caller stops the server next
     return tuple(phases)
+
+
+def _median_latency(phase: PhaseResult) -> float | None:
+    done = sorted(r.latency_s for r in phase.requests if r.ok)
+    return done[len(done) // 2] if done else None
 
 
 def run_load_test(base_url: str, model: str, workload: Workload, progress: bool = True,

@@ -122,6 +122,16 @@ def steady_window(requests: Sequence, concurrency: int) -> tuple[float, float] |
     return start, end
 
 
+def steady_ttfts(ok: Sequence, window: tuple[float, float] | None) -> list[float]:
+    """The TTFTs of the requests sent (open loop: scheduled) inside a level's steady window: in
+    closed loop the first wave, sent together at the level's start, queues behind its own burst of
+    prefills, a transient of the loop's start rather than of the load. All of them without a window."""
+    if window is None:
+        return [r.ttft_s for r in ok]
+    start, end = window
+    return [r.ttft_s for r in ok if start <= r.start_s - r.queued_s <= end]
+
+
 def window_rate(requests: Iterable, start: float, end: float) -> float:
     """Output tok/s from content chunks arriving in [start, end), each weighted by usage / chunks."""
     tokens = 0.0
@@ -191,11 +201,11 @@ def level_metrics(phase, workload) -> LevelMetrics:
                  "failed": len(phase.requests) - len([r for r in phase.requests if r.ok]),
                  "output_tokens": tokens, "wall_s": wall,
                  "failure": failure_reason(phase, workload.max_failed_share)}
+    window = None
     if wall > 0 and ok:
         out["throughput_tok_s_wall"] = tokens / wall
         out["requests_per_s"] = len(ok) / wall
         out["goodput_req_s"] = sum(1 for r in ok if meets_slos(r, workload)) / wall
-        window = None
         if phase.request_rate is None and phase.concurrency > 1:
             window = steady_window(phase.requests, phase.concurrency)
         elif phase.request_rate is not None and len(ok) >= 4:
@@ -210,6 +220,9 @@ def level_metrics(phase, workload) -> LevelMetrics:
             out["throughput_tok_s"] = tokens / wall
     rates = [x for x in map(decode_tok_s, ok) if x is not None]
     out["decode_tok_s"] = percentile(rates, 50)
+    out["ttft_ms_all"] = _ms(percentile(ttft, 50))
+    ttft = steady_ttfts(ok, window)
+    out["ttft_requests"] = len(ttft)
     for name, vals in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", e2e)):
         out[name] = _ms(percentile(vals, 50))
         out[name + "_p90"] = _ms(percentile(vals, 90))
@@ -294,9 +307,11 @@ def summarize(phases, workload) -> LoadMetrics:
     out["ttft_ms_p90"] = ttft_lv.ttft_ms_p90
     out["ttft_ms_p99"] = ttft_lv.ttft_ms_p99
     out["ttft_ms_mean"] = ttft_lv.ttft_ms_mean
+    out["ttft_ms_all"] = ttft_lv.ttft_ms_all
     tp = by_name[ttft_lv.name]
-    ttft_all = [r.ttft_s for r in tp.requests if r.ok and r.ttft_s is not None]
-    out["ttft_ms_spread"] = _ms(iqr(ttft_all))
+    tp_ok = [r for r in tp.requests if r.ok and r.ttft_s is not None]
+    window = (ttft_lv.window_start_s, ttft_lv.window_end_s) if ttft_lv.window_start_s is not None else None
+    out["ttft_ms_spread"] = _ms(iqr(steady_ttfts(tp_ok, window)))
     if thr_level is None:  # SLOs set and no level meets them: no goodput at all
         out["throughput_level"] = "none meets the SLOs"
         out["throughput_tok_s"] = 0.0

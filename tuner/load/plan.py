@@ -27,17 +27,45 @@ def closed_levels(w: Workload) -> tuple[int, ...]:
 
 
 def load_plan(w: Workload) -> tuple[Level, ...]:
-    """The levels every config is measured at, in order (warm-up not included)."""
+    """The levels every config is measured at, in order (warm-up not included).
+
+    A closed-loop level sends at least `waves` x its concurrency (and `throughput_requests`)
+    requests; with `level_seconds` it keeps sending until it has run that long, up to `max_waves`
+    x its concurrency. A rate level sends `throughput_requests`, or rate x `level_seconds` when
+    that is more: a count fixed by the workload alone.
+    """
+    import math
+
     plan = []
     if w.single_stream_requests > 0:
         plan.append(Level("single_stream", 1, w.single_stream_requests))
     for c in closed_levels(w):
-        plan.append(Level(f"c{c}", c, max(w.waves * c, w.throughput_requests)))
+        floor = max(w.waves * c, w.throughput_requests)
+        if w.level_seconds > 0:
+            plan.append(Level(f"c{c}", c, floor, seconds=w.level_seconds,
+                              max_requests=max(floor, w.max_waves * c)))
+        else:
+            plan.append(Level(f"c{c}", c, floor))
     rates = tuple(w.request_rates) or ((w.request_rate,) if w.request_rate else ())
     cap = max(256, 4 * max(closed_levels(w) or (w.max_concurrency,)))
     for r in sorted(set(rates)):
-        plan.append(Level(f"r{r:g}", cap, w.throughput_requests, r))
+        plan.append(Level(f"r{r:g}", cap, max(w.throughput_requests, math.ceil(r * w.level_seconds)), r))
     return tuple(plan)
+
+
+def requests_to_prepare(level: Level, previous_latency_s: float | None) -> int:
+    """How many prompts a level needs ready: its floor, or for a level with a time floor enough to
+    keep `concurrency` requests in flight for `seconds` at the latency of the level before it (a
+    request at this concurrency takes no less), plus a wave for the drain, capped at `max_requests`.
+    Without a latency to go by, the cap."""
+    import math
+
+    if level.seconds <= 0 or level.max_requests <= level.requests:
+        return level.requests
+    if not previous_latency_s or previous_latency_s <= 0:
+        return level.max_requests
+    want = math.ceil(level.seconds * level.concurrency / previous_latency_s) + level.concurrency
+    return max(level.requests, min(level.max_requests, want))
 
 
 def ttft_level_name(w: Workload) -> str:
@@ -68,6 +96,17 @@ def level_lengths(w: Workload, plan: tuple[Level, ...]) -> tuple[tuple[tuple[int
     fixed = (w.prompt_tokens, w.output_tokens)
     return tuple(tuple([fixed] * lv.requests) if lv.name in FIXED_LENGTH_LEVELS
                  else tuple(draw_lengths(w, lv.requests, rng)) for lv in plan)
+
+
+def extra_lengths(w: Workload, level: Level, count: int) -> tuple[tuple[int, int], ...]:
+    """The lengths of the requests a time-floored level sends beyond its floor: the fixed lengths,
+    or draws from the length mix with a seed of the workload's and the level's, so every config
+    that sends them meets the same sequence."""
+    import random
+
+    from tuner.load.lengths import draw_lengths
+
+    return tuple(draw_lengths(w, count, random.Random(f"lengths:{w.seed}:{level.name}:more")))
 
 
 def longest_request(w: Workload) -> int:
