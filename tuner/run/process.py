@@ -72,26 +72,90 @@ def build_argv(spec: LaunchSpec, engine_cmd: tuple[str, ...], port: int) -> list
 # workers never race for one port); None: any free port the OS hands out.
 PORT_RANGE: range | None = None
 
+# Every port this process handed out, least recently handed out first. A server binds its port
+# seconds after it is chosen (vLLM imports first), and one being stopped, or a child it forked,
+# may hold it a while longer: so a port is handed out again only when no fresh one is free, and
+# never while a live server of ours has it.
+_HANDED_OUT: dict[int, None] = {}
+_PORT_LOCK = threading.Lock()
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing holds `port` on `host` now. The test bind sets no SO_REUSEADDR, so a listener, a
+    connection or a TIME_WAIT left by a server that just closed all count as holding it."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _os_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now: from PORT_RANGE when set (a random one, so a retry moves on), else the OS's."""
-    if PORT_RANGE is None:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
-    import random
+    """A port free now and not handed out before by this process (unless no other is free): from
+    PORT_RANGE when set (a random one, so a retry moves on), else the OS's."""
+    with _PORT_LOCK:
+        taken = {s.port for s in live_servers() if s.port}
+        if PORT_RANGE is None:
+            # the OS hands out any free port, one of ours just released included: ask again
+            for _ in range(50):
+                port = _os_port(host)
+                if port not in _HANDED_OUT:
+                    break
+        else:
+            import random
 
-    ports = list(PORT_RANGE)
-    start = random.randrange(len(ports))
-    for port in ports[start:] + ports[:start]:
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise TunerError(f"no free port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1} on {host}: "
-                     "pass --ports LOW-HIGH")
+            ports = list(PORT_RANGE)
+            start = random.randrange(len(ports))
+            fresh = [p for p in ports[start:] + ports[:start] if p not in _HANDED_OUT]
+            again = [p for p in _HANDED_OUT if p in PORT_RANGE]    # oldest first
+            port = next((p for p in fresh + again if p not in taken and port_is_free(p, host)), None)
+            if port is None:
+                raise TunerError(f"no free port in {PORT_RANGE.start}-{PORT_RANGE.stop - 1} on {host}: "
+                                 "pass --ports LOW-HIGH")
+        _HANDED_OUT.pop(port, None)
+        _HANDED_OUT[port] = None
+        return port
+
+
+def _host_addresses(host: str) -> set[str]:
+    """The local addresses a listener may have for a connection to `host` to reach it."""
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        ip = host
+    if ip in ("0.0.0.0", ""):
+        ip = "127.0.0.1"      # a client's connect to 0.0.0.0 lands on the loopback
+    return {ip, f"::ffff:{ip}", "0.0.0.0", "::"}
+
+
+def _listeners(port: int, pids: list[int] | None = None) -> list[tuple[int | None, str]]:
+    """(pid, address) of the TCP sockets listening on `port`: those of `pids` when given, else of
+    the whole machine, where the pid of another user's socket is None (its fds are not ours to
+    read). A socket a process inherited (vLLM forks its engine core) counts once per process."""
+    import psutil
+
+    def listening(conns) -> list[tuple[int | None, str]]:
+        return [(getattr(c, "pid", None), c.laddr.ip) for c in conns
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+
+    if pids is None:
+        return listening(psutil.net_connections(kind="tcp"))
+    found = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            conns = (getattr(proc, "net_connections", None) or proc.connections)(kind="tcp")
+        except psutil.Error:
+            continue
+        found += [(pid, ip) for _, ip in listening(conns)]
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,6 +245,37 @@ def _owned_by_us(pid: int) -> bool:
         return False
 
 
+def _create_times(pids) -> dict[int, float]:
+    import psutil
+
+    times = {}
+    for pid in pids:
+        try:
+            times[pid] = psutil.Process(pid).create_time()
+        except psutil.Error:
+            pass
+    return times
+
+
+def _kill_processes(create_times: dict[int, float], timeout_s: float = 10.0) -> None:
+    """SIGKILL each process still alive with the same create time (a recycled pid is left
+    alone), and wait until they are gone."""
+    if not create_times:
+        return
+    import psutil
+
+    procs = []
+    for pid, created in create_times.items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
+                proc.kill()
+                procs.append(proc)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=timeout_s)
+
+
 # ---------------------------------------------------------------------------------------------
 # Live servers, so that Ctrl-C / SIGTERM to the tuner can stop them.
 
@@ -261,6 +356,7 @@ class ServerProcess:
         self._log_text: list[str] = []
         self._scan_from = 0                      # offset of the first line not yet checked for fatal lines
         self._marker_seen_at: float | None = None
+        self.listener_pids: dict[int, float] = {}  # pid: create time of ours listening on the port
         self._stopped = False
         self._stop_lock = threading.RLock()
 
@@ -362,7 +458,11 @@ class ServerProcess:
                     kind="crashed", message=_root_cause(text) or f"server exited with code {code}")
                 return self._fail(dataclasses.replace(failure, exit_code=code))
             if self._serving(host, port, headers):
-                return self._ready()
+                answered = self._answered_by_us()
+                if isinstance(answered, LaunchFailure):
+                    return self._fail(answered)
+                if answered:
+                    return self._ready()
             if time.monotonic() > deadline:
                 return self._fail(LaunchFailure(
                     kind="startup_timeout",
@@ -375,6 +475,47 @@ class ServerProcess:
             status, _ = _http_get(host, port, path, headers if i else {}, timeout_s=2.0 if not i else 5.0)
             if status != 200:
                 return False
+        return True
+
+    def _answered_by_us(self) -> bool | LaunchFailure:
+        """Whether the server that answered the readiness probe is this one: a process of our
+        group (or one it forked) listens on the port, and no other process does. Another
+        listener, such as a server still shutting down on a port just released or a stranger,
+        is "port_in_use": our server cannot bind there, and that server must not be measured.
+        False while nobody visible listens yet (the answer came from a socket just closed).
+
+        Needs the engine's listener to be one of its own processes (vLLM, SGLang and llama.cpp
+        all listen in the launched process), not a proxy outside the group."""
+        if self._proc.poll() is not None:
+            return False         # the readiness loop reads the exit next
+        try:
+            import psutil
+        except ImportError:      # our process being alive must do
+            return True
+        try:
+            ours_pids = set(group_members(self.pgid))
+            try:
+                ours_pids |= {c.pid for c in psutil.Process(self.pid).children(recursive=True)}
+            except psutil.Error:
+                pass
+            ours = {pid for pid, _ in _listeners(self.port, sorted(ours_pids))}
+            reaching = _host_addresses(self.spec.host)
+            # a socket psutil cannot map to a pid is another user's, or ours in a race: a
+            # stranger only when none of ours listens
+            strangers = [(pid, ip) for pid, ip in _listeners(self.port)
+                         if pid not in ours_pids and ip in reaching and (pid is not None or not ours)]
+        except (psutil.Error, OSError):     # no /proc/net to read: our process being alive must do
+            return True
+        if strangers:
+            pid, ip = strangers[0]
+            who = f"pid {pid} ({_cmdline(pid)[:120] or '?'})" if pid else "another user's process"
+            return LaunchFailure(
+                kind="port_in_use",
+                message=f"port {self.port} answered, but {who} listens on {ip}:{self.port}, not "
+                        f"the server's process group {self.pgid}")
+        if not ours:
+            return False
+        self.listener_pids = _create_times(ours)
         return True
 
     def _ready(self) -> Capacity:
@@ -395,6 +536,8 @@ class ServerProcess:
             if self._stopped or self._proc is None:
                 return
             kill_group(self.pgid, self.spec.stop_timeout_s if term_timeout_s is None else term_timeout_s)
+            # a listener that left the group (setsid) would keep the port after it: it goes too
+            _kill_processes(self.listener_pids)
             try:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
