@@ -6,7 +6,7 @@
 # $OUT/server.log.
 #   bash bench/h200_fidelity.sh [ROUNDS] [LEVELS] [DEADLINE] [WAVES]
 # DEADLINE: seconds from this script's start after which no run starts (the server's start counts);
-# the table is printed for what was measured by then. INPUT_LEN / OUTPUT_LEN / NUM_PROMPTS in the
+# the table is printed for what was measured by then. PRESET (default llama-3.1-8b), INPUT_LEN / OUTPUT_LEN / NUM_PROMPTS in the
 # environment change the request shape (defaults 128 / 128 / 8).
 set -u
 t0=$(date +%s)
@@ -15,7 +15,7 @@ rounds=${1:-3} levels=${2:-1,8,32,128,256} deadline=${3:-450} waves=${4:-8}
 . /tmp/vllm-env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-model=$(python3 -c "from tuner.models.presets import preset_folder; print(preset_folder('llama-3.1-8b'))") || exit 1
+model=$(python3 -c "from tuner.models.presets import preset_folder; print(preset_folder('${PRESET:-llama-3.1-8b}'))") || exit 1
 port=$(python3 -c "from tuner.run.process import free_port; print(free_port())") || exit 1
 log=/tmp/fidelity-server.log
 
