@@ -7,7 +7,7 @@
 #   bash bench/h200_fidelity.sh [ROUNDS] [LEVELS] [DEADLINE] [WAVES]
 # DEADLINE: seconds from this script's start after which no run starts (the server's start counts);
 # the table is printed for what was measured by then. PRESET (default llama-3.1-8b), INPUT_LEN / OUTPUT_LEN / NUM_PROMPTS in the
-# environment change the request shape (defaults 128 / 128 / 8).
+# environment change the request shape (defaults 128 / 128 / 8); SERVER_ARGS are added to `vllm serve`.
 set -u
 t0=$(date +%s)
 rounds=${1:-3} levels=${2:-1,8,32,128,256} deadline=${3:-450} waves=${4:-8}
@@ -21,7 +21,7 @@ log=/tmp/fidelity-server.log
 
 # its own session and process group (this shell has no job control, so setsid execs in place and
 # $! is the group's id); the whole group goes on exit, API server and engine core alike
-setsid vllm serve "$model" --load-format dummy --host 127.0.0.1 --port "$port" > "$log" 2>&1 < /dev/null &
+setsid vllm serve "$model" --load-format dummy --host 127.0.0.1 --port "$port" ${SERVER_ARGS:-} > "$log" 2>&1 < /dev/null &
 pgid=$!
 stop() {
     kill -TERM -- -"$pgid" 2>/dev/null
