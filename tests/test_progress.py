@@ -155,6 +155,21 @@ def test_request_progress_without_a_run_keeps_its_own_lines(monkeypatch):
                                                       "c4: 3/4 requests", "c4: 4/4 requests"]
 
 
+def test_a_level_with_a_time_floor_tells_its_seconds(monkeypatch):
+    # a floor of 4 requests and 8 s: marks at a quarter of whichever floor is further from met
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", out)
+    now = [0.0]
+    bar = progress.RequestProgress("c4", 4, True, clock=lambda: now[0], seconds=8.0)
+    for t in (0.5, 1.0, 2.5, 4.5, 6.5, 8.5):   # requests keep coming until the 8 s are run
+        now[0] = t
+        bar.add(RequestResult(ok=True, output_tokens=8))
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split(",")[1].strip() for line in lines] == ["2/8 s", "4/8 s", "6/8 s", "8/8 s"]
+    assert lines[-1].startswith("c4: 6 requests (at least 4)")
+
+
 def test_run_prints_launch_counts_and_eta(tmp_path, capsys):
     from tuner.search.study import Tuner
     from fakes import FAKE_PLATFORM

@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "formed from the mean of all runs, and a member whose relaunch fails leaves it")
     run.add_argument("--replicates", type=int, metavar="R",
                      help="relaunch each baseline R more times to measure launch-to-launch noise, "
-                          "which decides ties on the front (default 1; 0 = no noise measurement)")
+                          "which decides ties on the front (default 2; 0 = no noise measurement)")
     run.add_argument("--quiet", action="store_true", help="no live load-test lines")
     g = run.add_argument_group("many workers on one study")
     g.add_argument("--parallel", type=positive_int, metavar="N",

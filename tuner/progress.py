@@ -17,7 +17,7 @@ def phase_label(name: str) -> str:
     """'warmup' -> 'warm-up', 'c16' -> 'level c16'; the run's own phases (launching, ...) as they are."""
     if name in PHASE_NAMES:
         return PHASE_NAMES[name]
-    if name in ("launching", "stopping", "building prompts"):
+    if name in ("launching", "stopping", "building prompts") or name.startswith("building prompts "):
         return name
     return f"level {name}"
 
@@ -170,8 +170,11 @@ class RequestProgress:
     else its own \\r-updated line on a terminal, a few plain lines otherwise."""
 
     def __init__(self, name: str, total: int, enabled: bool, stream: TextIO | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, seconds: float = 0.0):
+        # seconds: a level with a time floor, whose request count is known only at its end: its
+        # progress is told in seconds run, and `total` is the floor of requests
         self.name, self.total, self.enabled = name, total, enabled and total > 0
+        self.seconds = seconds
         self.stream = stream or sys.stderr
         self.clock = clock
         self.run = current() if self.enabled else None
@@ -197,14 +200,21 @@ class RequestProgress:
                 else:
                     self.stream.write("\r" + self._line(now))
                     self.stream.flush()
-        elif self.done >= self.total * self.next_mark / 4:
-            while self.done >= self.total * self.next_mark / 4:
+        elif self._share(now) >= self.next_mark / 4:
+            while self._share(now) >= self.next_mark / 4:
                 self.next_mark += 1
             self.stream.write(self._line(now) + "\n")
             self.stream.flush()
 
+    def _share(self, now: float) -> float:
+        """How far the level is: the smaller of its requests and its seconds against their floors."""
+        share = self.done / self.total
+        return min(share, (now - self.t0) / self.seconds) if self.seconds > 0 else share
+
     def _figures(self, now: float) -> str:
         rate = self.tokens / max(now - self.t0, 1e-9)
+        if self.seconds > 0:
+            return f"{self.done} requests (at least {self.total}), {now - self.t0:.0f}/{self.seconds:g} s, {rate:,.0f} tok/s"
         return f"{self.done}/{self.total} requests, {rate:,.0f} tok/s"
 
     def _line(self, now: float) -> str:

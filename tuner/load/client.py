@@ -308,7 +308,9 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
                 if k in gauges:
                     peaks[k] = max(peaks.get(k, v), v)
 
-    bar = RequestProgress(name, len(payloads), progress)
+    timed = request_rate is None and min_seconds > 0 and min_requests is not None
+    bar = RequestProgress(name, min(min_requests, len(payloads)) if timed else len(payloads), progress,
+                          seconds=min_seconds if timed else 0.0)
     results: list[RequestResult | None] = [None] * len(payloads)
     poller = asyncio.create_task(poll()) if metrics_poll_s and payloads else None
     t0 = clock()
