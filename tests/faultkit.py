@@ -111,9 +111,12 @@ def real_vllm_study(model: Path, name: str = "faults-vllm") -> dict:
         "space": {"gpu_memory_utilization": {"low": 0.1, "high": 0.12, "step": 0.01},
                   "max_model_len": {"choices": [1024]},
                   "max_num_seqs": {"choices": [4, 8]}},
+        # each load level runs at least 6 s: a signal meant for the load test must not arrive
+        # after it (4 waves of 32 tokens last under a second each here; CI saw the tuner finish
+        # its last trial before a "SIGTERM during load" reached it)
         "workload": {"prompt_tokens": 32, "output_tokens": 32, "warmup_requests": 2,
                      "single_stream_requests": 3, "throughput_requests": 24, "max_concurrency": 8,
-                     "request_timeout_s": 120.0},
+                     "level_seconds": 6.0, "request_timeout_s": 120.0},
     }
 
 

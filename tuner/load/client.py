@@ -7,7 +7,9 @@ import json
 import os
 import random
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -443,7 +445,42 @@ def run_load_test(base_url: str, model: str, workload: Workload, progress: bool 
     return run_async(run_load_test_async(base_url, model, workload, progress, engine, alive))
 
 
+# The signals the command line turns into KeyboardInterrupt besides SIGINT (which asyncio.Runner
+# already turns into a cancellation of the running coroutine).
+INTERRUPT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 def run_async(coro):
-    """asyncio.run on uvloop's event loop when it is installed (the client's CPU share matters)."""
+    """asyncio.run on uvloop's event loop when it is installed (the client's CPU share matters).
+
+    A KeyboardInterrupt raised by a signal handler inside an event-loop callback is lost: uvloop
+    reports an exception from a protocol's data_received and reads on (a SIGTERM during a load test
+    let the trial finish and the tuner exit 0). So while the loop runs, the signals the tuner turns
+    into KeyboardInterrupt cancel the coroutine instead, and KeyboardInterrupt is raised once the
+    loop has let go. SIGINT gets the same from asyncio.Runner itself.
+    """
+    interrupted: list[int] = []
+
+    async def guarded():
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        installed = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in INTERRUPT_SIGNALS:
+                previous = signal.getsignal(sig)
+                if callable(previous):     # a handler of the tuner's (not SIG_DFL / SIG_IGN)
+                    loop.add_signal_handler(sig, lambda s=sig: (interrupted.append(s), task.cancel()))
+                    installed[sig] = previous
+        try:
+            return await coro
+        finally:
+            for sig, previous in installed.items():
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, previous)
+
     with asyncio.Runner(loop_factory=uvloop.new_event_loop if uvloop is not None else None) as runner:
-        return runner.run(coro)
+        try:
+            return runner.run(guarded())
+        except asyncio.CancelledError:
+            if interrupted:
+                raise KeyboardInterrupt from None
+            raise
