@@ -213,8 +213,9 @@ def summary_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
     w = config.get("workload") or {}
     if w:
         keys = ("prompt_tokens", "output_tokens", "levels", "request_rates", "max_concurrency",
-                "warmup_requests", "replicates")
-        shown = ", ".join(f"{k} {w[k]}" for k in keys if w.get(k) not in (None, [], ()))
+                "waves", "level_seconds", "warmup_requests", "replicates")
+        shown = ", ".join(f"{k} {w[k]}" for k in keys if w.get(k) not in (None, [], ())
+                          and not (k == "level_seconds" and not w[k]))
         body += para(f"workload: {shown}")
     return section("summary", f"tuner study {cfg.name}", body)
 

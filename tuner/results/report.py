@@ -15,7 +15,7 @@ from tuner.records import MAXIMIZE, OBJECTIVES, is_feasible  # noqa: F401  (call
 from tuner.search.trial import extra_runs, successful_runs
 LABELS = {"single_stream_tok_s": "single-stream speed (tok/s, concurrency 1)",
           "throughput_tok_s": "throughput (steady-state output tok/s, top level)",
-          "ttft_ms": "TTFT p50 at the TTFT level (ms)"}
+          "ttft_ms": "TTFT p50 at the TTFT level (ms, steady state)"}
 
 
 def param_columns() -> tuple[str, ...]:
