@@ -145,14 +145,16 @@ def server_counters(base_url: str) -> dict[str, float]:
 
 
 def server_figures(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Means of vLLM's TTFT and e2e histograms over a run, and the tokens it generated."""
-    def mean_ms(base: str) -> float | None:
-        n = after.get(base + "_count", 0) - before.get(base + "_count", 0)
-        return (after[base + "_sum"] - before[base + "_sum"]) / n * 1e3 if n > 0 else None
-    gen = after.get("vllm:generation_tokens_total")
-    return {"server_ttft_ms_mean": mean_ms("vllm:time_to_first_token_seconds"),
-            "server_e2e_ms_mean": mean_ms("vllm:e2e_request_latency_seconds"),
-            "server_generation_tokens": None if gen is None else gen - before.get("vllm:generation_tokens_total", 0)}
+    """Means of vLLM's TTFT and e2e histograms over a run, and the tokens it generated (the tuner's
+    own reading of /metrics deltas, as for a load level)."""
+    from types import SimpleNamespace
+
+    from tuner.load.metrics import _delta, _hist_mean_ms
+
+    run = SimpleNamespace(server_metrics_before=tuple(before.items()), server_metrics_after=tuple(after.items()))
+    return {"server_ttft_ms_mean": _hist_mean_ms(run, "vllm:time_to_first_token_seconds"),
+            "server_e2e_ms_mean": _hist_mean_ms(run, "vllm:e2e_request_latency_seconds"),
+            "server_generation_tokens": _delta(run, "vllm:generation_tokens_total")}
 
 
 # ---------------------------------------------------------------- the two clients

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port, wait_until_serving
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,29 +39,21 @@ print(f"finished after {time.monotonic() - t0:.1f} s", flush=True)
 """
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def streaming_server():
-    port = _port()
+def streaming_server(tmp_path):
+    port = free_port()
     env = {**os.environ, "FAKE_STREAM_DELAY": "0.0002"}   # 16 waves of 64 streams of 5,000 tokens: 16 s or more of streaming
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_openai_server.py"), "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_openai_server.py"), "--port", str(port)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.1)
-    yield url
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    try:
+        wait_until_serving(proc, url + "/health", 30, "the fake server", log, poll_s=0.1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @pytest.mark.parametrize("attempt", range(5))

@@ -8,6 +8,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -310,8 +311,9 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
                 if k in gauges:
                     peaks[k] = max(peaks.get(k, v), v)
 
+    floor = len(payloads) if min_requests is None else min(min_requests, len(payloads))
     timed = request_rate is None and min_seconds > 0 and min_requests is not None
-    bar = RequestProgress(name, min(min_requests, len(payloads)) if timed else len(payloads), progress,
+    bar = RequestProgress(name, floor if timed else len(payloads), progress,
                           seconds=min_seconds if timed else 0.0)
     results: list[RequestResult | None] = [None] * len(payloads)
     poller = asyncio.create_task(poll()) if metrics_poll_s and payloads else None
@@ -325,7 +327,6 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
 
     if request_rate is None:
         it = iter(range(len(payloads)))
-        floor = len(payloads) if min_requests is None else min(min_requests, len(payloads))
 
         async def worker() -> None:
             for i in it:  # a shared iterator: each worker takes the next request when it is free
@@ -412,7 +413,8 @@ async def run_load_test_async(base_url: str, model: str, workload: Workload,
         mine, used = prompts[used:used + lv.requests], used + lv.requests
         if alive is not None and not alive():
             break   # the server died: the remaining levels would only count connection errors
-        more = requests_to_prepare(lv, _median_latency(phases[-1]) if phases else None) - lv.requests
+        latencies = [r.latency_s for r in phases[-1].requests if r.ok] if phases else []
+        more = requests_to_prepare(lv, statistics.median_high(latencies) if latencies else None) - lv.requests
         if more > 0:   # a time floor: prompts for the requests beyond the floor, built before it starts
             run_progress.phase(f"building prompts for {lv.name}")
             extra = extra_lengths(w, lv, more)
@@ -431,11 +433,6 @@ async def run_load_test_async(base_url: str, model: str, workload: Workload,
                                           min_requests=lv.requests, min_seconds=lv.seconds))
     run_progress.phase("stopping")   # the caller stops the server next
     return tuple(phases)
-
-
-def _median_latency(phase: PhaseResult) -> float | None:
-    done = sorted(r.latency_s for r in phase.requests if r.ok)
-    return done[len(done) // 2] if done else None
 
 
 def run_load_test(base_url: str, model: str, workload: Workload, progress: bool = True,

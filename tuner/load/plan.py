@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from tuner.records import Level, Workload
 
 
@@ -34,8 +36,6 @@ def load_plan(w: Workload) -> tuple[Level, ...]:
     x its concurrency. A rate level sends `throughput_requests`, or rate x `level_seconds` when
     that is more: a count fixed by the workload alone.
     """
-    import math
-
     plan = []
     if w.single_stream_requests > 0:
         plan.append(Level("single_stream", 1, w.single_stream_requests))
@@ -58,8 +58,6 @@ def requests_to_prepare(level: Level, previous_latency_s: float | None) -> int:
     keep `concurrency` requests in flight for `seconds` at the latency of the level before it (a
     request at this concurrency takes no less), plus a wave for the drain, capped at `max_requests`.
     Without a latency to go by, the cap."""
-    import math
-
     if level.seconds <= 0 or level.max_requests <= level.requests:
         return level.requests
     if not previous_latency_s or previous_latency_s <= 0:
