@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tuner.load import plan
@@ -54,6 +56,25 @@ def test_length_mix_is_seeded_the_same_for_every_call_and_single_stream_stays_fi
     assert all(10 <= a <= 3000 and 5 <= b <= 500 for a, b in mixed)
     assert len(set(mixed)) > 10
     assert 0 < plan.share_too_long(w, 2048) < 1
+
+
+def test_the_requests_a_time_floor_adds_count_for_the_longest_request_and_the_share_too_long():
+    # 4 requests at concurrency 4 without a floor; with a 5 s floor up to 32 waves (128 requests)
+    w = Workload(prompt_tokens=100, output_tokens=50, length_mix="uniform",
+                 prompt_tokens_mix=(10.0, 3000.0), output_tokens_mix=(5.0, 5.0), max_concurrency=4,
+                 levels=(4,), waves=1, throughput_requests=1, single_stream_requests=0)
+    floored = dataclasses.replace(w, level_seconds=5.0)
+    (c4,) = plan.load_plan(floored)
+    assert (c4.requests, c4.max_requests) == (4, 128)
+    (floor,) = plan.level_lengths(floored, plan.load_plan(floored))
+    extras = plan.extra_lengths(floored, c4, 124)
+    context = max(p + o for p, o in floor)          # every floor request fits this context
+    assert plan.share_too_long(w, context) == 0.0 and plan.longest_request(w) == context
+    # a config fast enough to send extras meets the longer ones: the plan says so before a launch
+    assert plan.longest_request(floored) == max(p + o for p, o in floor + extras) > context
+    # the share is the worst over every count of requests the level may send
+    shares = [sum(p + o > context for p, o in (floor + extras)[:n]) / n for n in range(4, 129)]
+    assert plan.share_too_long(floored, context) == max(shares) > 0
 
 
 def test_a_trace_study_resolves_the_shipped_trace_and_draws_only_its_lengths():

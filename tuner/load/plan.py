@@ -107,17 +107,32 @@ def extra_lengths(w: Workload, level: Level, count: int) -> tuple[tuple[int, int
     return tuple(draw_lengths(w, count, random.Random(f"lengths:{w.seed}:{level.name}:more")))
 
 
-def longest_request(w: Workload) -> int:
-    """The most tokens (prompt + output) one request of the plan holds."""
+def _lengths_sent(w: Workload) -> list[tuple[tuple[int, int], ...]]:
+    """Per level of the plan, every request it may send in order: its floor, then (a level with a
+    time floor) the most extra requests it may prepare. How many extras a config sends depends on
+    its speed; they are drawn in one sequence, so any count sends a prefix of these."""
     plan = load_plan(w)
+    out = []
+    for level, lengths in zip(plan, level_lengths(w, plan)):
+        more = level.max_requests - level.requests if level.seconds > 0 else 0
+        out.append(lengths + (extra_lengths(w, level, more) if more > 0 else ()))
+    return out
+
+
+def longest_request(w: Workload) -> int:
+    """The most tokens (prompt + output) one request of the plan may hold, time-floor extras included."""
     return max([w.prompt_tokens + w.output_tokens]
-               + [p + o for level in level_lengths(w, plan) for p, o in level])
+               + [p + o for level in _lengths_sent(w) for p, o in level])
 
 
 def share_too_long(w: Workload, max_model_len: int) -> float:
-    """The largest share of a level's requests that a server of this context refuses for length."""
+    """The largest share of a level's requests that a server of this context refuses for length,
+    over every count of requests the level may send (its floor up to its cap)."""
     worst = 0.0
-    for level in level_lengths(w, load_plan(w)):
-        if level:
-            worst = max(worst, sum(1 for p, o in level if p + o > max_model_len) / len(level))
+    for level, lengths in zip(load_plan(w), _lengths_sent(w)):
+        too_long = 0
+        for i, (p, o) in enumerate(lengths, start=1):
+            too_long += p + o > max_model_len
+            if i >= level.requests:
+                worst = max(worst, too_long / i)
     return worst
