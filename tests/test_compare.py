@@ -143,3 +143,7 @@ def test_the_mismatch_line_names_a_differing_model_and_levels():
     assert "levels a 4,16,32 vs b 4,16" in line and "model a preset:tiny vs b /models/other" in line
     assert "\n" not in line
     assert compare.mismatch([side(llama, "a"), side(llama, "b")]) == ""
+    # levels of another length, or another SLO (it picks the throughput level), are named too
+    longer = replace(llama, workload=replace(llama.workload, level_seconds=15.0, slo_ttft_ms=500.0))
+    line = compare.mismatch([side(llama, "a"), side(longer, "b")])
+    assert "level seconds a 0 vs b 15" in line and "slo ttft ms a none vs b 500" in line, line

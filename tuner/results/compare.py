@@ -113,14 +113,19 @@ def load_sides(study_files: list[str], resolve) -> list[Side]:
 
 
 def workload_key(cfg: StudyConfig) -> dict:
-    """What a like-for-like comparison needs equal: the request lengths and the load levels."""
-    from tuner.load.plan import closed_levels
+    """What a like-for-like comparison needs equal: the request lengths (the mix and its
+    parameters, the endpoint's template), the load levels and how long each runs, and the SLOs
+    that pick the throughput level."""
+    from tuner.load.plan import closed_levels, ttft_level_name
 
     w = cfg.workload
     return {"prompt_tokens": w.prompt_tokens, "output_tokens": w.output_tokens,
-            "length_mix": w.length_mix, "levels": closed_levels(w),
+            "length_mix": w.length_mix, "prompt_tokens_mix": tuple(w.prompt_tokens_mix),
+            "output_tokens_mix": tuple(w.output_tokens_mix), "length_trace": w.length_trace,
+            "endpoint": w.endpoint, "levels": closed_levels(w),
             "request_rates": tuple(w.request_rates) or ((w.request_rate,) if w.request_rate else ()),
-            "ttft_level": w.ttft_level}
+            "ttft_level": ttft_level_name(w), "level_seconds": w.level_seconds,
+            "slo_ttft_ms": w.slo_ttft_ms, "slo_tpot_ms": w.slo_tpot_ms, "slo_e2e_ms": w.slo_e2e_ms}
 
 
 def mismatch(sides: list[Side]) -> str:
@@ -144,7 +149,9 @@ def mismatch(sides: list[Side]) -> str:
 def _show(v) -> str:
     if isinstance(v, tuple):
         return ",".join(f"{x:g}" for x in v) or "none"
-    return "default" if v is None else str(v)
+    if isinstance(v, float):
+        return f"{v:g}"
+    return "none" if v is None else str(v)
 
 
 def rows(sides: list[Side]) -> pd.DataFrame:
