@@ -72,6 +72,24 @@ def test_published_shapes():
     assert (q32["num_hidden_layers"], q32["num_key_value_heads"], q32["hidden_size"]) == (64, 8, 5120)
 
 
+def test_the_awq_preset_is_the_32b_shape_in_4_bit_and_needs_offload_on_a_16_gb_card():
+    from tuner.search import feasibility
+    from tuner.search.space import ServerParams
+
+    full = feasibility.model_shape(str(presets.preset_folder("qwen2.5-32b")))
+    awq = feasibility.model_shape(str(presets.preset_folder("qwen2.5-32b-awq")))
+    assert awq.quantization == "awq" and awq.dtype_bytes == 2 and awq.param_count == full.param_count
+    # 4-bit linear layers, fp16 embeddings and lm_head (2 x 152064 x 5120): ~17.4 GiB, more than 16 GB
+    embeds = 2 * 152064 * 5120
+    assert awq.weights_bytes == (full.param_count - embeds) // 2 + embeds * 2
+    assert 17 < awq.weights_bytes / 2**30 < 18
+    card = feasibility.MemoryModel(awq, int(15.77 * 2**30), "cuda", "Tesla V100-SXM2-16GB")
+    at = lambda off: card.predict(ServerParams(gpu_memory_utilization=0.92, max_model_len=4096,
+                                               max_num_seqs=8, cpu_offload_gb=off))
+    assert not at(0).fits and not at(2).fits and at(8).fits
+    assert at(8).kv_cache_tokens > at(6).kv_cache_tokens > 0    # each offloaded GiB goes to the cache
+
+
 def test_unknown_preset_names_the_choices():
     with pytest.raises(TunerError, match="llama-3.1-8b"):
         presets.preset_folder("nope")

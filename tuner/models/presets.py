@@ -52,6 +52,14 @@ PRESETS: dict[str, dict] = {
         "initializer_range": 0.02, "use_cache": True,
     },
 }
+# Qwen2.5-32B-Instruct-AWQ's published config: the 32B shape in fp16 (AWQ kernels take no bf16, and
+# a V100 has none) with 4-bit weights in groups of 128. Embeddings and lm_head stay fp16, so the
+# weights are ~18 GiB: on a 16 GB card no config starts without --cpu-offload-gb.
+PRESETS["qwen2.5-32b-awq"] = {
+    **PRESETS["qwen2.5-32b"], "torch_dtype": "float16",
+    "quantization_config": {"bits": 4, "group_size": 128, "modules_to_not_convert": None,
+                            "quant_method": "awq", "version": "gemm", "zero_point": True},
+}
 
 # The checkpoint each preset stands for (its config.json matches these published ones): what an
 # exported command serves once the dummy weights are dropped. The tiny preset stands for none.
@@ -60,6 +68,7 @@ HF_IDS: dict[str, str] = {
     "llama-3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
     "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
     "qwen2.5-32b": "Qwen/Qwen2.5-32B-Instruct",
+    "qwen2.5-32b-awq": "Qwen/Qwen2.5-32B-Instruct-AWQ",
 }
 
 # The embedded default: small enough to start fast on 2 CPU cores, with a KV cache large enough per
