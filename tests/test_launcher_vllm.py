@@ -72,3 +72,39 @@ def test_max_model_len_that_does_not_fit_is_kv_cache_too_small(tmp_path):
     assert group_members(pgid) == []
     print(f"\nverdict after {outcome.verdict_s:.1f} s: {outcome.kind}, "
           f"estimated max model len {outcome.estimated_max_model_len}")
+
+
+def test_an_awq_model_with_dummy_weights_serves_on_the_cpu_build(tmp_path):
+    """The layout of the seed's model (AWQ 4-bit, fp16; the qwen2.5-32b-awq preset) at the tiny
+    shape: vLLM's dummy loader serves it (its 4-bit tensors are left uninitialised, the scales are
+    random), and the memory model reads its weights as 4-bit."""
+    import json
+    import urllib.request
+
+    from tuner.models.presets import PRESETS, TINY_CONFIG, write_model_folder
+    from tuner.search.feasibility import model_shape
+
+    quant = PRESETS["qwen2.5-32b-awq"]["quantization_config"]
+    folder = write_model_folder({**TINY_CONFIG, "torch_dtype": "float16", "quantization_config": quant},
+                                tmp_path / "tiny-awq")
+    shape = model_shape(str(folder))
+    plain = model_shape(str(TINY_MODEL))
+    assert shape.quantization == "awq" and shape.weights_bytes < plain.weights_bytes
+    params = ServerParams(gpu_memory_utilization=0.1, max_model_len=2048, max_num_seqs=4)
+    launch = LaunchSpec(model=str(folder), params=params, extra_args=(*DUMMY, "--dtype", "float16"),
+                        launch_timeout_s=600, log_path=str(tmp_path / "server.log"))
+    with ServerProcess(launch) as server:
+        server.start()
+        outcome = server.wait_ready()
+        assert isinstance(outcome, Capacity), getattr(outcome, "log_tail", outcome)
+        body = json.dumps({"model": str(folder), "prompt": "w10 w11 w12", "max_tokens": 8,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(server.base_url + "/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            answer = json.load(reply)
+        pgid = server.pgid
+    assert answer["usage"]["completion_tokens"] == 8
+    text = Path(server.log_path).read_text()
+    assert "'quantization': 'awq'" in text or "quantization=awq" in text, text[-3000:]
+    assert group_members(pgid) == []
