@@ -263,15 +263,20 @@ class TableDevice:
         self.launches: list[tuple] = []
         self.points: list[tuple] = []
         self.reached_at: int | None = None
+        self.elapsed_s = 0.0        # the recorded launch and load-test seconds of every launch so far
+        self.reached_s: float | None = None
 
     def __call__(self, spec, workload, on_started=None, progress=False) -> TrialOutcome:
         outcome = self.table.outcome(spec)
         key = key_of(spec.params)
         self.launches.append(key)
+        row = self.table.rows[key]
+        self.elapsed_s += (row.get("launch_s") or 0.0) + (row.get("load_s") or 0.0)
         if self.table.feasible(key):
             self.points.append(self.point(self.table.rows[key]))
         if self.target_hv is not None and hypervolume(self.points) >= self.target_hv - 1e-12:
             self.reached_at = len(self.launches)
+            self.reached_s = self.elapsed_s
             raise Reached("target hypervolume reached")
         return outcome
 
@@ -301,6 +306,8 @@ class RunResult:
     kinds: list               # every finished trial's failure kind ("" = ran), skips included
     skipped: list             # keys predicted infeasible (not launched)
     dominated: list = field(default_factory=list)   # keys the screen skipped (predicted_dominated)
+    reached_s: float | None = None   # the recorded seconds of the launches until the target
+    wasted: int = 0                  # launches that failed (their config could not serve)
 
 
 def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
@@ -337,7 +344,9 @@ def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
                    if t.user_attrs.get("failure") == "predicted_infeasible"]
         dominated = [key_of(t.params) for t in trials
                      if t.user_attrs.get("failure") == "predicted_dominated"]
-    return RunResult(sampler, seed, device.launches, device.reached_at, kinds, skipped, dominated)
+    wasted = sum(1 for k in device.launches[:device.reached_at] if table.rows[k]["failure"])
+    return RunResult(sampler, seed, device.launches, device.reached_at, kinds, skipped, dominated,
+                     device.reached_s, wasted)
 
 
 def spread(values: list[float]) -> str:
@@ -445,8 +454,14 @@ def main(argv=None) -> int:
         reached = [x for x in needed if x != math.inf]
         med = statistics.median(needed)
         medians[name] = med
+        minutes = [r.reached_s / 60 for r in runs if r.reached_s is not None]
+        spent = [len(r.launches[:r.reached_at]) for r in runs]
+        wasted = sum(r.wasted for r in runs) / max(1, sum(spent))
         print(f"{name:>6}: median {med:g} launches ({med / n:.0%} of {n}), {spread(reached)}; "
-              f"reached in {len(reached)}/{len(runs)} seeds", flush=True)
+              f"reached in {len(reached)}/{len(runs)} seeds; recorded wall-clock to the target "
+              f"median {statistics.median(minutes) if minutes else math.inf:.1f} min "
+              f"({spread([round(m, 1) for m in minutes])}); failed launches {wasted:.0%}",
+              flush=True)
     limit = 0.15 * n
     random_med = medians.get("random")
     for name, med in medians.items():
