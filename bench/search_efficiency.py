@@ -368,7 +368,7 @@ def record(results_dirs: list[Path], out: Path) -> None:
     """trials.csv of the grid run(s), plus the node total vLLM logged at each launch."""
     frames = []
     for results in results_dirs:
-        df = pd.read_csv(results / "trials.csv")
+        df = pd.read_csv(results / "trials.csv").copy()   # one block: inserting below stays cheap
         df.insert(0, "study", results.name)
         totals = []
         for n in df["trial"]:
@@ -384,6 +384,19 @@ def record(results_dirs: list[Path], out: Path) -> None:
         df["node_memory_bytes"] = pd.array(totals, dtype="Int64")
         frames.append(df)
     df = pd.concat(frames, ignore_index=True)
+    # A config the study did not launch because one with more memory and a shorter context had
+    # failed for memory fails the same way (the rule is certain): the table gives it that kind, so
+    # a replay that launches it first counts a memory failure, and says which trial it is inferred
+    # from; its figures stay blank.
+    inferred = []
+    for i, row in df.iterrows():
+        m = re.match(r"trial (\d+) \((\w+)\) had more memory", str(row.get("failure_message") or ""))
+        if row.get("failure") == "predicted_infeasible" and m:
+            df.at[i, "failure"] = m.group(2)
+            inferred.append(int(m.group(1)))
+        else:
+            inferred.append(None)
+    df["failure_inferred_from"] = pd.array(inferred, dtype="Int64")
     df = df.drop(columns=[c for c in ("log_path", "tuner_host", "tuner_pid", "server_pgid",
                                       "server_port", "command") if c in df.columns])
     out.parent.mkdir(parents=True, exist_ok=True)
