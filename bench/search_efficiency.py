@@ -313,7 +313,7 @@ class RunResult:
 def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
            max_launches: int | None = None, stop_at_target: bool = True,
            study_path: Path = STUDY, objectives=OBJECTIVES, screen: bool = False,
-           log_ttft: bool = True) -> RunResult:
+           log_ttft: bool = True, within_noise: bool = False) -> RunResult:
     """One tuning run of `sampler` against the table, in a throwaway storage. A table recorded
     with its noise (grid-levels: `<table>.noise.json`) answers each launch with its mean times that
     noise, and the tuner replicates its baselines as a study does; the hypervolume is taken on the
@@ -321,7 +321,10 @@ def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
     from optuna.trial import TrialState
 
     point = normaliser(table, objectives, log_ttft)
-    grid_hv = hypervolume([point(table.rows[k]) for k in table.rows if table.feasible(k)])
+    grid = [table.rows[k] for k in table.rows if table.feasible(k)]
+    if within_noise:   # the target: what the grid holds up to one launch-to-launch CV per objective
+        grid = [worse_by_noise(row, table.noise) for row in grid]
+    grid_hv = hypervolume([point(row) for row in grid])
     if table.noise:
         table = replace(table, rng=random.Random(f"replay:{seed}"))
     device = TableDevice(table, HV_SHARE * grid_hv if stop_at_target else None, objectives, log_ttft)
@@ -347,6 +350,16 @@ def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
     wasted = sum(1 for k in device.launches[:device.reached_at] if table.rows[k]["failure"])
     return RunResult(sampler, seed, device.launches, device.reached_at, kinds, skipped, dominated,
                      device.reached_s, wasted)
+
+
+def worse_by_noise(row: dict, noise: dict) -> dict:
+    """The row with each objective one launch-to-launch CV worse: a launched config that reaches
+    it is, as far as one more launch could tell, as good as the row."""
+    out = dict(row)
+    for o in OBJECTIVES:
+        cv = noise.get(o, {}).get("cv", 0.0)
+        out[o] = row[o] * (1 - cv if MAXIMIZE[o] else 1 + cv)
+    return out
 
 
 def spread(values: list[float]) -> str:
@@ -436,6 +449,10 @@ def main(argv=None) -> int:
     ap.add_argument("--screen", action="store_true",
                     help="screen configs with launches already measured (the tuner's default; valid "
                          "only for a table recorded with the same-load protocol)")
+    ap.add_argument("--within-noise", action="store_true",
+                    help="target 95%% of the volume the grid holds with each of its figures one "
+                         "launch-to-launch CV worse (needs the table's noise.json): finding a config "
+                         "within the noise of the best counts as finding the best")
     ap.add_argument("--linear-ttft", action="store_true", help="TTFT on a linear scale in the volume")
     ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES,
                     help="score the hypervolume on these (the tuner still optimises all three)")
@@ -447,11 +464,16 @@ def main(argv=None) -> int:
         return 0
 
     table = load_table(args.table)
+    if args.within_noise and not table.noise:
+        print("search_efficiency: error: --within-noise needs the table's noise.json", file=sys.stderr)
+        return 2
     n = len(table.rows)
     memory_model = not args.no_memory_model
     print(f"table: {describe_table(table)}")
     print(f"memory model {'on' if memory_model else 'off'}, screen {'on' if args.screen else 'off'}; "
-          f"target {HV_SHARE:.0%} of the grid's hypervolume over {', '.join(args.objectives)}"
+          f"target {HV_SHARE:.0%} of the grid's hypervolume"
+          f"{' (each grid figure one noise CV worse)' if args.within_noise else ''} over "
+          f"{', '.join(args.objectives)}"
           f"{'' if args.linear_ttft else ' (TTFT on a log scale)'}, each normalised by the grid's "
           "feasible range, reference point = the worst value of each; launches count baselines, "
           "replicates and failed launches, not duplicates or skips"
@@ -461,7 +483,8 @@ def main(argv=None) -> int:
     for name in args.samplers:
         seeds = args.gp_seeds if name == "gp" else args.seeds
         runs = [replay(table, name, seed, memory_model, objectives=tuple(args.objectives),
-                       study_path=args.study, screen=args.screen, log_ttft=not args.linear_ttft)
+                       study_path=args.study, screen=args.screen, log_ttft=not args.linear_ttft,
+                       within_noise=args.within_noise)
                 for seed in range(seeds)]
         needed = [r.reached_at if r.reached_at is not None else math.inf for r in runs]
         reached = [x for x in needed if x != math.inf]
