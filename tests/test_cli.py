@@ -116,3 +116,45 @@ def test_doctor_fits_one_screen(study_run):
     text = done.stdout
     assert "engine" in text and "storage" in text and "results" in text
     assert "GPU" in text  # a GPU line, or the CPU-build line when NVML sees none
+
+
+def test_doctor_says_which_contexts_start_before_any_launch():
+    from tuner.cli import doctor_fit_lines
+    from tuner.config import parse_study
+    from tuner.models.presets import preset_folder
+    from tuner.search.study import Platform
+
+    v100 = Platform("cuda", "Tesla V100-SXM2-16GB", int(15.77 * 2**30), 900.0, ("true",), "0.24.0")
+
+    def fits(model: str, offload: list[float] | None, **server) -> str:
+        space = {"gpu_memory_utilization": {"low": 0.8, "high": 0.92, "step": 0.01},
+                 "max_model_len": {"choices": [4096, 32768]}, "max_num_seqs": {"choices": [8, 1]}}
+        if offload is not None:
+            space["cpu_offload_gb"] = {"choices": offload}
+        cfg = parse_study({"model": {"path": f"preset:{model}"}, "server": server, "space": space},
+                          "s.toml", {})
+        return "\n".join(doctor_fit_lines(cfg, v100, str(preset_folder(model))))
+
+    # the seed's 32B AWQ: its 17.4 GiB of weights leave nothing on a 16 GB card without offload
+    text = fits("qwen2.5-32b-awq", None)
+    assert "gmu 0.92, max-num-seqs 1" in text
+    per_length = [ln for ln in text.splitlines() if "max-model-len " in ln]
+    assert len(per_length) == 2 and all("does not start" in ln for ln in per_length)
+    assert "max-model-len 4096: KV cache ~0 tokens" in text
+    assert "nothing starts: raise gmu)" in text
+    # with up to 8 GiB offloaded a 4k context starts and a 32k one does not
+    text = fits("qwen2.5-32b-awq", [0, 8])
+    assert "cpu-offload 8 GiB" in text
+    line = {ln.split(":")[0].strip(): ln for ln in text.splitlines()[1:]}
+    assert line["max-model-len 4096"].endswith(("starts", "starts (uncertain)"))
+    assert "does not start" in line["max-model-len 32768"]
+    longest = int(text.rsplit("~", 1)[1].split()[0].replace(",", ""))
+    assert 4096 <= longest < 32768
+    # a budget: gmu is a share of it, and the lines say so
+    budget = Platform("cuda", "NVIDIA H200", 140 * 2**30, 4800.0, ("true",), "0.24.0")
+    cfg = parse_study({"model": {"path": "preset:llama-3.2-3b"}, "server": {"memory_budget_gib": 15.77},
+                       "space": {"gpu_memory_utilization": {"choices": [0.95]},
+                                 "max_model_len": {"choices": [131072]},
+                                 "max_num_seqs": {"choices": [4]}}}, "s.toml", {})
+    text = "\n".join(doctor_fit_lines(cfg, budget, str(preset_folder("llama-3.2-3b"))))
+    assert "of 15.77 GiB" in text and "max-model-len 131072" in text and "does not start" in text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import dataclasses
 import os
 import signal
 import sys
@@ -453,6 +454,7 @@ def cmd_doctor(args) -> int:
     except TunerError as e:
         lines.append(f"model      PROBLEM: {e}")
     lines += doctor_gpu_lines(cfg, platform, model, extra)
+    lines += doctor_fit_lines(cfg, platform, model)
     try:
         checked_config(args)
         lines.append("values     space and fixed flags within vLLM's ranges and the model's limit")
@@ -483,6 +485,67 @@ def cmd_compare(args) -> int:
     paths = compare.write(sides, out)
     print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
+
+
+def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
+    """What the memory model predicts before any launch: per max-model-len of the space, the KV
+    cache at the most memory the space gives it (top gmu and cpu-offload, fewest sequences, the
+    fixed flags), how many requests of that length it holds, and whether vLLM would start; then
+    the longest context that starts. Uncalibrated: the study's first launches correct it."""
+    from tuner import engines
+    from tuner.config import fixed_flag_values
+    from tuner.search import space
+    from tuner.search.study import memory_scale
+
+    if not model or not os.path.isdir(model):
+        return []
+    try:
+        mm = engines.get(cfg.engine_name).memory_model(model, platform.memory_total_bytes, platform.kind)
+        scale = memory_scale(cfg, platform)
+    except TunerError as e:
+        return [f"fits       PROBLEM: {e}"]
+    except (OSError, ValueError, KeyError):
+        return []
+    if mm is None:
+        return []
+    dims = {d.name: d for d in cfg.dimensions}
+
+    def top(name, smallest=False):
+        d = dims.get(name)
+        if d is None:
+            return None
+        values = d.choices or (d.low, d.high)
+        return min(values) if smallest else max(values)
+    values = {k: v for k, v in fixed_flag_values(cfg.extra_args, cfg.source).items()}
+    for name, smallest in (("gpu_memory_utilization", False), ("cpu_offload_gb", False),
+                           ("max_num_seqs", True), ("max_num_batched_tokens", True)):
+        if top(name, smallest) is not None:
+            values[name] = top(name, smallest)
+    d = dims.get("max_model_len")
+    lengths = sorted(d.choices or {int(d.low), int(d.high)}) if d else [values.get("max_model_len")]
+    base = space.params_from({k: v for k, v in values.items() if k != "max_model_len"})
+    at = [f"gmu {base.gpu_memory_utilization if base.gpu_memory_utilization is not None else 'default'}"
+          + (f" of {cfg.memory_budget_gib:g} GiB" if cfg.memory_budget_gib else "")]
+    if base.cpu_offload_gb:
+        at.append(f"cpu-offload {base.cpu_offload_gb:g} GiB")
+    if base.max_num_seqs:
+        at.append(f"max-num-seqs {base.max_num_seqs}")
+    lines = [f"fits       predicted before any launch (the first launches calibrate it), at the most "
+             f"KV memory the space gives: {', '.join(at)}"]
+    longest = None
+    for length in lengths:
+        params = space.scaled(dataclasses.replace(base, max_model_len=length), scale)
+        pred = mm.predict(params)
+        longest = pred.max_model_len_fit
+        verdict = "starts" if pred.fits else "does not start"
+        lines.append(f"           max-model-len {pred.max_model_len}: KV cache ~{pred.kv_cache_tokens:,} "
+                     f"tokens, {pred.max_concurrency:.1f} requests of that length at once; "
+                     f"{verdict}{' (uncertain)' if pred.uncertain else ''}")
+    if longest is not None:
+        lines.append(f"           longest context that starts: ~{max(0, longest):,} tokens"
+                     + ("" if longest > 0 else " (nothing starts: raise gmu"
+                        + (" or cpu-offload" if "cpu_offload_gb" in dims else "") + ")"))
+    return lines
 
 
 def doctor_gpu_lines(cfg, platform, model: str | None, extra_args) -> list[str]:
