@@ -4,11 +4,23 @@
 # limit resumes on the next call (SIGINT: the server is stopped, the unfinished trial is re-queued).
 #
 #   bash bench/h200.sh STUDY SECONDS TRIALS     e.g. bash bench/h200.sh h200-full 520 10
+# SPY_S=N: for the first N seconds, sample vLLM's engine-core stacks every 2 s with py-spy (its
+# wheel carried in .whl/) into $OUT/engine-stacks.txt: where a launch spends its silent seconds.
 set -u
 study=$1 seconds=$2 trials=$3
 . /tmp/vllm-env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
+if [ -n "${SPY_S:-}" ] && ls .whl/py_spy*.whl >/dev/null 2>&1 \
+        && python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl/py_spy*.whl; then
+    ( end=$(( $(date +%s) + SPY_S ))
+      while [ "$(date +%s)" -lt "$end" ]; do
+          for p in $(pgrep -f EngineCore); do
+              echo "== $(date +%T.%N) pid $p"; /tmp/spy/bin/py-spy dump --pid "$p" 2>&1 | head -40
+          done
+          sleep 2
+      done > "$OUT/engine-stacks.txt" 2>&1 ) &
+fi
 python3 -m tuner doctor --study "studies/$study.toml" 2>&1 | tee -a "/tmp/$study.log"
 timeout -k 90 -s INT "$seconds" python3 -m tuner run --study "studies/$study.toml" --trials "$trials" \
     2>&1 | grep --line-buffered -v -E '^(warmup|single_stream|throughput): ' | tee -a "/tmp/$study.log"

@@ -279,13 +279,14 @@ def parse_ports(text: str) -> range:
 
 
 def cmd_run(args) -> int:
-    from tuner.run import process
+    from tuner.run import process, spare
     from tuner.search import parallel
     from tuner.search.study import Tuner
 
     cfg = checked_config(args)
     if args.ports:
         process.PORT_RANGE = parse_ports(args.ports)
+    spare.enable()   # each launch's imports are done ahead, while the one before starts
     gpus = parallel.parse_gpus(args.gpus)
     n_workers = args.parallel or max(1, len(gpus))
     if args.worker is None and (n_workers > 1 or gpus):

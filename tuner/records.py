@@ -314,6 +314,8 @@ class TrialOutcome:
     launch_s: float = 0.0
     # seconds of each launch phase the engine's log names, in launch order: (("weights", 1.5), ...)
     launch_phases: tuple[tuple[str, float], ...] = ()
+    # a warm start (run/spare.py): seconds the engine's imports took ahead of launch_s; None = cold
+    launch_preimport_s: float | None = None
     load_s: float = 0.0
     peak_gpu_memory_bytes: int | None = None     # used on the server's GPU (everyone's)
     peak_gpu_server_bytes: int | None = None     # of it, held by the server's process group

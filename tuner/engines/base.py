@@ -177,6 +177,10 @@ class Engine(Protocol):
     api_key_env: str                   # the environment variable holding its API key
     keep_alive: bool                   # a connection serves more than one streamed request
 
+    # modules its console script imports first, for a warm spare to import ahead (run/spare.py);
+    # an engine without the attribute gets none (a `python -m MODULE` command needs none)
+    warm_imports: tuple[str, ...]
+
     request_context_name: str          # how messages name the longest request ("max_model_len")
     export_cmd: tuple[str, ...]        # the program an exported command starts ("vllm", "serve")
     default_port: int                  # where it serves without --port

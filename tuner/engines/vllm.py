@@ -88,6 +88,8 @@ class Vllm(LogsInModule):
     tokenizer_api = TOKENIZER_API
     keep_alive = True   # a connection serves more than one streamed request
     api_key_env = "VLLM_API_KEY"
+    # what `vllm serve`'s main() imports first: a warm spare (run/spare.py) imports it ahead
+    warm_imports = ("vllm.entrypoints.cli.serve",)
 
     @property
     def flags(self) -> tuple[Flag, ...]:

@@ -42,7 +42,7 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
         launch_s = time.monotonic() - t0
         logged = server.read_log()   # up to readiness (or the failure)
         base = TrialOutcome(params=spec.params, argv=tuple(server.argv), log_path=spec.log_path,
-                            launch_s=launch_s,
+                            launch_s=launch_s, launch_preimport_s=server.warm_imported_s,
                             launch_phases=tuple(server.engine.launch_phases(logged).items()))
         if isinstance(ready, LaunchFailure):
             return replace(base, failure=ready, **_peaks(sampler))

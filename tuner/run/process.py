@@ -20,6 +20,7 @@ from tuner.engines.base import log_tail, root_cause as _root_cause
 from tuner.engines.vllm_logs import (FAILURE_PATTERNS, FailurePattern, classify,  # noqa: F401
                                      parse_cache_config_info, parse_capacity)
 from tuner.errors import TunerError
+from tuner.run import spare
 # the records moved to tuner.records; importers of tuner.run.process still find them here
 from tuner.records import MEMORY_FAILURES, Capacity, LaunchFailure, LaunchSpec  # noqa: F401
 
@@ -289,9 +290,11 @@ def live_servers() -> list["ServerProcess"]:
 
 
 def stop_all() -> None:
-    """Stop every server this process started and has not stopped. Safe from a signal handler."""
+    """Stop every server this process started and has not stopped, and the waiting spare. Safe
+    from a signal handler."""
     for server in live_servers():
         server.stop()
+    spare.discard()
 
 
 def install_signal_handlers() -> None:
@@ -349,6 +352,7 @@ class ServerProcess:
         self.capacity: Capacity | None = None
         self.failure: LaunchFailure | None = None
         self.started_at: float = 0.0            # time.monotonic() at start
+        self.warm_imported_s: float | None = None  # a warm start: seconds its spare spent importing
         self.verdict_at: float | None = None     # time.time() of the verdict (ready or failure)
         self._proc: subprocess.Popen | None = None
         self._log_file = None
@@ -377,15 +381,22 @@ class ServerProcess:
             os.close(fd)
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.engine.env(), **dict(self.spec.env), "PYTHONUNBUFFERED": "1"}
-        # the child writes the log file itself: the log is complete even if the tuner dies
-        self._log_file = open(self.log_path, "wb")
-        self._log_reader = open(self.log_path, "rb")
         self.started_at = time.monotonic()
-        self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # a spare interpreter that already imported the engine's Python becomes the server
+        warm = spare.take(engine_cmd, env, self.argv, self.log_path)
+        if warm is not None:
+            self._proc, self.warm_imported_s = warm
+        else:
+            # the child writes the log file itself: the log is complete even if the tuner dies
+            self._log_file = open(self.log_path, "wb")
+            self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                          stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._log_reader = open(self.log_path, "rb")
         self.pid = self.pgid = self._proc.pid
         with _LIVE_LOCK:
             _LIVE.add(self)
+        # and one for the launch after this one imports while this server starts
+        spare.prepare(engine_cmd, env, getattr(self.engine, "warm_imports", ()))
 
     def log_text(self) -> str:
         """The log read so far (call `read_log` for what arrived since)."""
@@ -521,6 +532,7 @@ class ServerProcess:
     def _ready(self) -> Capacity:
         ready_s = time.monotonic() - self.started_at
         self.verdict_at = time.time()
+        spare.wait_imported()   # the next launch's spare is idle before any request is measured
         _, metrics = _http_get(self.spec.host, self.port, "/metrics", self._headers(), timeout_s=10.0)
         self.capacity = self.engine.parse_capacity(self.read_log(), metrics, ready_s)
         return self.capacity

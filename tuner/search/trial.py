@@ -115,10 +115,14 @@ def level_dicts(m: LoadMetrics) -> list[dict]:
 
 def launch_phase_attrs(outcome: TrialOutcome) -> dict:
     """launch_weights_s, launch_compile_s, ... of the phases the log named, and launch_other_s, the
-    rest of launch_s (process start, imports, API server); {} when the log named none."""
+    rest of launch_s (process start, imports, API server); launch_preimport_s when a warm spare
+    did the engine's imports ahead of launch_s; {} when the log named none and the start was cold."""
+    attrs = {}
+    if outcome.launch_preimport_s is not None:
+        attrs["launch_preimport_s"] = round(outcome.launch_preimport_s, 2)
     if not outcome.launch_phases:
-        return {}
-    attrs = {f"launch_{name}_s": round(s, 2) for name, s in outcome.launch_phases}
+        return attrs
+    attrs.update({f"launch_{name}_s": round(s, 2) for name, s in outcome.launch_phases})
     attrs["launch_other_s"] = round(outcome.launch_s - sum(s for _, s in outcome.launch_phases), 2)
     return attrs
 
