@@ -45,6 +45,48 @@ def test_config_that_fits_starts_and_reports_capacity(tmp_path):
     assert 0 < phases["weights"] < phases["profile"] and sum(phases.values()) < outcome.ready_s
 
 
+def test_a_warm_start_serves_the_same_as_a_cold_one_and_leaves_nothing_behind(tmp_path):
+    """The second launch is a spare that imported vLLM while the first started: it reports the
+    same KV cache, answers a request, and no spare or server is left once the tuner is done."""
+    import json
+    import urllib.request
+
+    from tuner.run import spare, process
+
+    params = ServerParams(gpu_memory_utilization=0.1, max_model_len=2048, max_num_seqs=4)
+    spare.enable()
+    try:
+        capacities, warm, cmdlines = [], [], []
+        for i in range(2):
+            launch = LaunchSpec(**{**spec(tmp_path, params).__dict__, "log_path": str(tmp_path / f"{i}.log")})
+            with ServerProcess(launch) as server:
+                server.start()
+                outcome = server.wait_ready()
+                assert isinstance(outcome, Capacity), getattr(outcome, "log_tail", outcome)
+                body = json.dumps({"model": str(TINY_MODEL), "prompt": "hi", "max_tokens": 3,
+                                   "ignore_eos": True}).encode()
+                answer = json.loads(urllib.request.urlopen(urllib.request.Request(
+                    server.base_url + "/v1/completions", body, {"Content-Type": "application/json"}),
+                    timeout=120).read())
+                assert answer["usage"]["completion_tokens"] == 3
+                capacities.append(outcome.kv_cache_tokens)
+                warm.append(server.warm_imported_s)
+                cmdlines.append(process._cmdline(server.pid))
+        assert warm[0] is None and warm[1] is not None and warm[1] > 0
+        # the CPU build sizes its cache from memory it measures: two cold launches differ by a few
+        # blocks too
+        assert capacities[1] == pytest.approx(capacities[0], rel=0.01)
+        # the spare took the server's command line: the orphan reaper's "--port N" is in it
+        assert f"--port {server.port}" in cmdlines[1]
+        text = Path(tmp_path / "1.log").read_text()
+        assert "non-default args" in text and "KV cache size" in text
+        waiting = spare._spare.proc
+    finally:
+        spare.discard()
+        spare.enable(False)
+    assert waiting.poll() is not None   # the spare prepared for a third launch is gone
+
+
 def kv_too_small_params() -> ServerParams:
     """A max-model-len whose KV cache cannot fit, at a gmu that leaves ~0.35 GiB for KV cache.
 
