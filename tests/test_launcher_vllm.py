@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,16 @@ def spec(tmp_path: Path, params: ServerParams, env: tuple[tuple[str, str], ...] 
     # the box is shared and small: generous launch timeout
     return LaunchSpec(model=str(TINY_MODEL), params=params, extra_args=DUMMY, env=env,
                       launch_timeout_s=600, log_path=str(tmp_path / "server.log"))
+
+
+def complete(server: ServerProcess, model: str, prompt: str, max_tokens: int) -> dict:
+    """The answer of one /v1/completions request of exactly `max_tokens` tokens."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(server.base_url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.load(reply)
 
 
 def test_config_that_fits_starts_and_reports_capacity(tmp_path):
@@ -48,9 +60,6 @@ def test_config_that_fits_starts_and_reports_capacity(tmp_path):
 def test_a_warm_start_serves_the_same_as_a_cold_one_and_leaves_nothing_behind(tmp_path):
     """The second launch is a spare that imported vLLM while the first started: it reports the
     same KV cache, answers a request, and no spare or server is left once the tuner is done."""
-    import json
-    import urllib.request
-
     from tuner.run import spare, process
 
     params = ServerParams(gpu_memory_utilization=0.1, max_model_len=2048, max_num_seqs=4)
@@ -63,11 +72,7 @@ def test_a_warm_start_serves_the_same_as_a_cold_one_and_leaves_nothing_behind(tm
                 server.start()
                 outcome = server.wait_ready()
                 assert isinstance(outcome, Capacity), getattr(outcome, "log_tail", outcome)
-                body = json.dumps({"model": str(TINY_MODEL), "prompt": "hi", "max_tokens": 3,
-                                   "ignore_eos": True}).encode()
-                answer = json.loads(urllib.request.urlopen(urllib.request.Request(
-                    server.base_url + "/v1/completions", body, {"Content-Type": "application/json"}),
-                    timeout=120).read())
+                answer = complete(server, str(TINY_MODEL), "hi", 3)
                 assert answer["usage"]["completion_tokens"] == 3
                 capacities.append(outcome.kv_cache_tokens)
                 warm.append(server.warm_imported_s)
@@ -120,9 +125,6 @@ def test_an_awq_model_with_dummy_weights_serves_on_the_cpu_build(tmp_path):
     """The layout of the seed's model (AWQ 4-bit, fp16; the qwen2.5-32b-awq preset) at the tiny
     shape: vLLM's dummy loader serves it (its 4-bit tensors are left uninitialised, the scales are
     random), and the memory model reads its weights as 4-bit."""
-    import json
-    import urllib.request
-
     from tuner.models.presets import PRESETS, TINY_CONFIG, write_model_folder
     from tuner.search.feasibility import model_shape
 
@@ -139,12 +141,7 @@ def test_an_awq_model_with_dummy_weights_serves_on_the_cpu_build(tmp_path):
         server.start()
         outcome = server.wait_ready()
         assert isinstance(outcome, Capacity), getattr(outcome, "log_tail", outcome)
-        body = json.dumps({"model": str(folder), "prompt": "w10 w11 w12", "max_tokens": 8,
-                           "ignore_eos": True}).encode()
-        request = urllib.request.Request(server.base_url + "/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            answer = json.load(reply)
+        answer = complete(server, str(folder), "w10 w11 w12", 8)
         pgid = server.pgid
     assert answer["usage"]["completion_tokens"] == 8
     text = Path(server.log_path).read_text()
