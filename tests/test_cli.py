@@ -141,7 +141,10 @@ def test_doctor_says_which_contexts_start_before_any_launch():
     per_length = [ln for ln in text.splitlines() if "max-model-len " in ln]
     assert len(per_length) == 2 and all("does not start" in ln for ln in per_length)
     assert "max-model-len 4096: KV cache ~0 tokens" in text
-    assert "nothing starts: raise gmu)" in text
+    # more gmu cannot help: the hint names what can
+    assert "raise gmu" not in text
+    assert "the weights on the device, ~17.4 GiB, fill the 14.5 GiB share" in text
+    assert "add cpu_offload_gb to [space]" in text
     # with up to 8 GiB offloaded a 4k context starts and a 32k one does not
     text = fits("qwen2.5-32b-awq", [0, 8])
     assert "cpu-offload 8 GiB" in text
@@ -150,6 +153,15 @@ def test_doctor_says_which_contexts_start_before_any_launch():
     assert "does not start" in line["max-model-len 32768"]
     longest = int(text.rsplit("~", 1)[1].split()[0].replace(",", ""))
     assert 4096 <= longest < 32768
+    # on the CPU build offloading moves nothing: only a larger share helps
+    cpu = Platform("cpu", "", 16 * 2**30, None, (), "0.32.0")
+    cfg = parse_study({"model": {"path": "preset:qwen2.5-32b-awq"},
+                       "space": {"gpu_memory_utilization": {"choices": [0.9]},
+                                 "max_model_len": {"choices": [4096]},
+                                 "max_num_seqs": {"choices": [1]},
+                                 "cpu_offload_gb": {"choices": [8]}}}, "s.toml", {})
+    text = "\n".join(doctor_fit_lines(cfg, cpu, str(preset_folder("qwen2.5-32b-awq"))))
+    assert "the CPU build holds every weight in that memory" in text and "raise gmu" not in text
     # a budget: gmu is a share of it, and the lines say so
     budget = Platform("cuda", "NVIDIA H200", 140 * 2**30, 4800.0, ("true",), "0.24.0")
     cfg = parse_study({"model": {"path": "preset:llama-3.2-3b"}, "server": {"memory_budget_gib": 15.77},

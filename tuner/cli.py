@@ -533,7 +533,7 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
         at.append(f"max-num-seqs {base.max_num_seqs}")
     lines = [f"fits       predicted before any launch (the first launches calibrate it), at the most "
              f"KV memory the space gives: {', '.join(at)}"]
-    longest = None
+    longest = pred = None
     for length in lengths:
         params = space.scaled(dataclasses.replace(base, max_model_len=length), scale)
         pred = mm.predict(params)
@@ -544,9 +544,25 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
                      f"{verdict}{' (uncertain)' if pred.uncertain else ''}")
     if longest is not None:
         lines.append(f"           longest context that starts: ~{max(0, longest):,} tokens"
-                     + ("" if longest > 0 else " (nothing starts: raise gmu"
-                        + (" or cpu-offload" if "cpu_offload_gb" in dims else "") + ")"))
+                     + ("" if longest > 0 else f" ({_nothing_starts_hint(pred, platform.kind, dims)})"))
     return lines
+
+
+def _nothing_starts_hint(pred, platform_kind: str, dims) -> str:
+    """What to change when no context starts: where the weights alone outgrow the share, more
+    gmu cannot help, so name what can (offloading weights on a GPU, a bigger budget or card)."""
+    from tuner.search.feasibility import GIB
+
+    terms = pred.terms
+    share_gib = pred.overhead_gib + pred.kv_budget_gib
+    if terms is None or terms.weights / GIB < share_gib:
+        return "nothing starts: raise gmu" + (" or cpu-offload" if "cpu_offload_gb" in dims else "")
+    weights = f"the weights on the device, ~{terms.weights / GIB:.1f} GiB, fill the {share_gib:.1f} GiB share"
+    if platform_kind == "cpu":
+        return f"nothing starts: {weights}; the CPU build holds every weight in that memory, so only a larger share or budget helps"
+    if "cpu_offload_gb" in dims:
+        return f"nothing starts: {weights}; search more cpu_offload_gb or a larger budget"
+    return f"nothing starts: {weights}; add cpu_offload_gb to [space] or use a larger card or budget"
 
 
 def doctor_gpu_lines(cfg, platform, model: str | None, extra_args) -> list[str]:
