@@ -162,6 +162,13 @@ def test_doctor_says_which_contexts_start_before_any_launch():
                                  "cpu_offload_gb": {"choices": [8]}}}, "s.toml", {})
     text = "\n".join(doctor_fit_lines(cfg, cpu, str(preset_folder("qwen2.5-32b-awq"))))
     assert "the CPU build holds every weight in that memory" in text and "raise gmu" not in text
+    # the weights fit but the runtime's other use leaves no KV memory: both figures are named
+    cfg = parse_study({"model": {"path": "preset:llama-3.1-8b"},
+                       "space": {"gpu_memory_utilization": {"choices": [0.95]},
+                                 "max_model_len": {"choices": [4096]},
+                                 "max_num_seqs": {"choices": [1]}}}, "s.toml", {})
+    text = "\n".join(doctor_fit_lines(cfg, cpu, str(preset_folder("llama-3.1-8b"))))
+    assert "the weights on the device, ~15.0 GiB, and ~" in text and "raise gmu or the budget" in text
     # a budget: gmu is a share of it, and the lines say so
     budget = Platform("cuda", "NVIDIA H200", 140 * 2**30, 4800.0, ("true",), "0.24.0")
     cfg = parse_study({"model": {"path": "preset:llama-3.2-3b"}, "server": {"memory_budget_gib": 15.77},

@@ -21,7 +21,7 @@ PACKAGE_STUDIES = Path(__file__).parent / "studies"
 EPILOG = """examples:
   python -m tuner run --trials 40                 tune the embedded tiny model (studies/demo.toml)
   python -m tuner run --study studies/my.toml --trials 30 --model /models/Qwen2.5-7B
-  python -m tuner run --model preset:llama-3.1-8b --memory-budget-gib 16 --trials 12
+  python -m tuner run --study gpu --model preset:llama-3.1-8b --memory-budget-gib 16 --trials 12
   python -m tuner show                            the trials and the Pareto set as a table
   python -m tuner export --prefer throughput      the launch command of the chosen config
   python -m tuner measure --gpu-memory-utilization 0.2 --max-model-len 4096 --max-num-seqs 8
@@ -549,20 +549,26 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
 
 
 def _nothing_starts_hint(pred, platform_kind: str, dims) -> str:
-    """What to change when no context starts: where the weights alone outgrow the share, more
-    gmu cannot help, so name what can (offloading weights on a GPU, a bigger budget or card)."""
+    """What to change when no context starts, from what fills the share: where the weights alone
+    outgrow it, more gmu cannot help, so name what can (offloading weights on a GPU, a bigger
+    budget or card); else the weights and the runtime's other use, and room to raise gmu."""
     from tuner.search.feasibility import GIB
 
+    offload = " or cpu-offload" if "cpu_offload_gb" in dims else ""
     terms = pred.terms
-    share_gib = pred.overhead_gib + pred.kv_budget_gib
-    if terms is None or terms.weights / GIB < share_gib:
-        return "nothing starts: raise gmu" + (" or cpu-offload" if "cpu_offload_gb" in dims else "")
-    weights = f"the weights on the device, ~{terms.weights / GIB:.1f} GiB, fill the {share_gib:.1f} GiB share"
+    if terms is None:
+        return "nothing starts: raise gmu" + offload
+    share = pred.overhead_gib + pred.kv_budget_gib
+    weights, other = terms.weights / GIB, pred.overhead_gib - terms.weights / GIB
+    if weights < share:
+        return (f"nothing starts: the weights on the device, ~{weights:.1f} GiB, and ~{other:.1f} GiB of "
+                f"other non-KV use fill the {share:.1f} GiB share; raise gmu{offload} or the budget")
+    said = f"nothing starts: the weights on the device, ~{weights:.1f} GiB, fill the {share:.1f} GiB share"
     if platform_kind == "cpu":
-        return f"nothing starts: {weights}; the CPU build holds every weight in that memory, so only a larger share or budget helps"
+        return f"{said}; the CPU build holds every weight in that memory, so only a larger share or budget helps"
     if "cpu_offload_gb" in dims:
-        return f"nothing starts: {weights}; search more cpu_offload_gb or a larger budget"
-    return f"nothing starts: {weights}; add cpu_offload_gb to [space] or use a larger card or budget"
+        return f"{said}; search more cpu_offload_gb or a larger budget"
+    return f"{said}; add cpu_offload_gb to [space] or use a larger card or budget"
 
 
 def doctor_gpu_lines(cfg, platform, model: str | None, extra_args) -> list[str]:
