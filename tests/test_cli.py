@@ -82,7 +82,12 @@ def test_show_export_report_read_the_storage_without_launching(study_run):
     assert exported.returncode == 0
     params = json.loads(exported.stdout)
     front = pd.read_csv(work / "results" / "cli" / "pareto.csv")
-    assert params["throughput_tok_s"] == pytest.approx(front["throughput_tok_s"].max())
+    best = front["throughput_tok_s"].max()
+    if params["throughput_tok_s"] != pytest.approx(best):
+        # a member within the noise of the best that changes fewer of vLLM's defaults is exported
+        # instead, and the export says which members tie
+        assert "tie within the noise" in exported.stderr, exported.stderr
+        assert any(params["throughput_tok_s"] == pytest.approx(v) for v in front["throughput_tok_s"])
     (work / "results" / "cli" / "pareto.png").unlink()
     reported = tuner("report", "--study", str(study), cwd=work)
     assert reported.returncode == 0 and (work / "results" / "cli" / "pareto.png").exists()
