@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run a tuner study on the GPU machine for at most SECONDS, then bring its results back in $OUT.
-# The vLLM bundle must be installed first (../shared/gpu/README.md); a study stopped by the time
-# limit resumes on the next call (SIGINT: the server is stopped, the unfinished trial is re-queued).
+# The vLLM bundle must be installed first (../shared/gpu/README.md). The tuner's --time-limit starts
+# no launch that its median launch says would end after SECONDS; a hard stop 60 s later is the
+# backstop (SIGINT: the server is stopped, the unfinished trial is re-queued). Either way the study
+# resumes on the next call.
 #
 #   bash bench/h200.sh STUDY SECONDS TRIALS     e.g. bash bench/h200.sh h200-full 520 10
 # SPY_S=N: for the first N seconds, sample vLLM's engine-core stacks every 2 s with py-spy (its
@@ -22,7 +24,9 @@ if [ -n "${SPY_S:-}" ] && ls .whl/py_spy*.whl >/dev/null 2>&1 \
       done > "$OUT/engine-stacks.txt" 2>&1 ) &
 fi
 python3 -m tuner doctor --study "studies/$study.toml" 2>&1 | tee -a "/tmp/$study.log"
-timeout -k 90 -s INT "$seconds" python3 -m tuner run --study "studies/$study.toml" --trials "$trials" \
+minutes=$(python3 -c "print($seconds / 60)")
+timeout -k 30 -s INT $(( seconds + 60 )) python3 -m tuner run --study "studies/$study.toml" \
+    --trials "$trials" --time-limit "$minutes" \
     2>&1 | grep --line-buffered -v -E '^(warmup|single_stream|throughput): ' | tee -a "/tmp/$study.log"
 python3 -m tuner report --study "studies/$study.toml" 2>&1 | tail -2
 python3 -m tuner show --study "studies/$study.toml" 2>&1 | tail -30

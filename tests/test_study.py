@@ -512,3 +512,67 @@ def test_when_every_config_is_too_slow_export_offers_the_best_with_a_warning(tmp
     df2 = report.trials_frame(study2)
     front2, warning2 = export.offered_front(df2)
     assert warning2 == "" and front2["pareto"].all() and len(front2)
+
+
+def _finished(number, seconds, failure=None):
+    from datetime import datetime, timedelta
+
+    from optuna.trial import create_trial
+
+    start = datetime(2026, 12, 5, 12, 0, 0)
+    t = create_trial(values=[1.0, 1.0, 1.0], user_attrs={"failure": failure} if failure else {})
+    t.number, t.datetime_start = number, start
+    t.datetime_complete = start + timedelta(seconds=seconds)
+    return t
+
+
+def test_launch_seconds_is_the_median_of_measured_launches_and_skips_unlaunched_trials():
+    from tuner.search.study import launch_seconds
+
+    assert launch_seconds([]) is None
+    # measured trials decide; a fast memory failure or an instant skip does not shorten the guess
+    trials = [_finished(0, 100), _finished(1, 300), _finished(2, 200),
+              _finished(3, 20, "kv_cache_too_small"), _finished(4, 0.1, "predicted_infeasible")]
+    assert launch_seconds(trials) == 200
+    assert launch_seconds(trials[:2]) == 200   # even count: the mean of the middle two
+    # only failed launches so far: they are the guess; skips alone give none
+    assert launch_seconds([_finished(3, 20, "kv_cache_too_small"), _finished(5, 40, "oom")]) == 30
+    assert launch_seconds([_finished(4, 0.1, "predicted_infeasible")]) is None
+
+
+class SlowDevice(FakeDevice):
+    """Each launch takes `seconds` of wall time, like a real one."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def __call__(self, *args, **kwargs):
+        import time
+
+        time.sleep(self.seconds)
+        return super().__call__(*args, **kwargs)
+
+
+def test_time_limit_starts_no_launch_that_would_end_after_it_and_a_rerun_goes_on(tmp_path, capsys):
+    import time
+
+    cfg = fake_config(tmp_path, replicates=0)
+    device = SlowDevice(0.4)
+    began = time.monotonic()
+    study = Tuner(cfg, measure=device, platform=FAKE_PLATFORM, progress=False).run(30, 1.5)
+    took = time.monotonic() - began
+    first = len(device.launches)
+    # the first launch sets the median (~0.4 s); a launch starts only while that much is left
+    assert 1 <= first <= 4, first
+    assert took < 1.5 + 0.4 + 1.0, took   # no launch began with less than a launch's time left
+    assert "stopping:" in capsys.readouterr().err
+    from tuner.search.study import SKIPPED_KINDS
+
+    launched = [t for t in study.trials if t.state == TrialState.COMPLETE
+                and t.user_attrs.get("failure") not in SKIPPED_KINDS]
+    assert len(launched) == first   # every launch is in the storage, none left half-done
+    # the same command without a limit resumes the study where it stopped
+    again = FakeDevice()
+    study = run(cfg, again, first + 3)
+    assert len(again.launches) == 3

@@ -113,6 +113,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_minutes(text: str) -> float:
+    """Minutes on the command line, seconds inside."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected minutes, e.g. 90 or 7.5, got {text!r}")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 minutes, got {text}")
+    return value * 60
+
+
 def add_flag_options(p: argparse.ArgumentParser) -> None:
     """One option per row of the engine's flag table, spelled as the engine spells it; the values
     are checked against the table's ranges later, with the other errors (`checked_config`)."""
@@ -150,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = command("run", "search launch flags: launch, load-test and record trials until N are done",
                   "  python -m tuner run --trials 40\n"
                   "  python -m tuner run --study studies/h200.toml --trials 12 --confirm 2\n"
+                  "  python -m tuner run --study studies/gpu.toml --trials 40 --time-limit 120\n"
                   "  python -m tuner run --trials 40 --sampler random --name demo-random\n"
                   "  python -m tuner run --study studies/gpu.toml --trials 40 --gpus 0,1,2,3\n"
                   "  python -m tuner run --trials 40 --parallel 2 --storage postgresql://tuner@db/tuner\n"
@@ -165,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--replicates", type=int, metavar="R",
                      help="relaunch each baseline R more times to measure launch-to-launch noise, "
                           "which decides ties on the front (default 2; 0 = no noise measurement)")
+    run.add_argument("--time-limit", dest="time_limit", type=positive_minutes, metavar="MIN",
+                     help="start no launch that would end after MIN minutes, judged by this "
+                          "study's median launch; then stop with everything kept (run again to go on)")
     run.add_argument("--quiet", action="store_true", help="no live load-test lines")
     g = run.add_argument_group("many workers on one study")
     g.add_argument("--parallel", type=positive_int, metavar="N",
@@ -295,11 +310,11 @@ def cmd_run(args) -> int:
         return 0
     if args.worker is not None:   # one of `--parallel`'s workers: the supervisor writes results/
         tuner = Tuner(cfg, progress=False, worker=args.worker, report_at_end=False)
-        tuner.run(args.trials)
+        tuner.run(args.trials, args.time_limit)
         return 0
     # one tuner; numbered only when told (a host of its own on a shared PostgreSQL study)
     tuner = Tuner(cfg, progress=not args.quiet, worker=args.first_worker or None)
-    study = tuner.run(args.trials)
+    study = tuner.run(args.trials, args.time_limit)
     print_summary(study, cfg)
     return 0
 

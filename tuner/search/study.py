@@ -140,6 +140,8 @@ class Tuner:
         self.worker = worker
         self.shared = worker is not None or not cfg.storage.startswith("sqlite")
         self.report_at_end = report_at_end
+        self.stop_by: float | None = None   # --time-limit: no launch that would end after this
+        self.said_out_of_time = False
         self.platform = platform or detect_platform(cfg)
         self.model, self.extra_args = resolve_model(cfg)
         real = measure is None
@@ -631,7 +633,10 @@ class Tuner:
 
     # -- the loop
 
-    def run(self, n_trials: int) -> optuna.Study:
+    def run(self, n_trials: int, time_limit_s: float | None = None) -> optuna.Study:
+        """Launch and measure trials until the study holds `n_trials` launches. With `time_limit_s`,
+        start no launch that the study's own trials say would end after that many seconds from now:
+        stop instead, with everything measured kept, to resume with the same command."""
         from tuner.results import report
 
         study = self.open()
@@ -639,6 +644,7 @@ class Tuner:
         if done >= n_trials:
             log(f"study {self.cfg.name} already holds {done} launched trials (asked {n_trials})")
         started = time.monotonic()
+        self.stop_by = None if time_limit_s is None else started + time_limit_s
         asks_without_launch = errors_in_a_row = busy_in_a_row = 0
         progress.start(n_trials, done, enabled=self.progress)
         try:
@@ -649,7 +655,7 @@ class Tuner:
                 if not self.worker:   # replicates and confirmations: by worker 0 alone
                     self.replicate_baselines(study)
                 launched = self.launched_count(study)
-                if launched >= n_trials:
+                if launched >= n_trials or self.out_of_time(study):
                     break
                 if self.shared and launched + len(self.in_flight(study)) >= n_trials:
                     time.sleep(WAIT_POLL_S)   # the launches in flight fill it, unless one dies
@@ -703,7 +709,7 @@ class Tuner:
         t = study.trials[number]
         params = space.scaled(space.suggest(t, self.cfg.dimensions), self.scale)
         done = sum(1 for r in runs if r.get("kind") == kind)
-        while done < count:
+        while done < count and not self.out_of_time(study):
             progress.begin(number, what=f"{kind} {done + 1}/{count}",
                            flags=" ".join(params.vllm_flags()))
             folder = self.cfg.results_path / "trials" / str(number)
@@ -729,6 +735,22 @@ class Tuner:
                 log(f"  {kind}: single-stream {run['single_stream_tok_s']:.1f} tok/s, throughput "
                     f"{run['throughput_tok_s']:.1f} tok/s, TTFT p50 {run['ttft_ms']:.0f} ms")
         return runs
+
+    def out_of_time(self, study: optuna.Study) -> bool:
+        """True when --time-limit is set and one more launch, as long as this study's launches
+        took (median), would end after it. Said once, with how to go on."""
+        if self.stop_by is None:
+            return False
+        left = self.stop_by - time.monotonic()
+        typical = launch_seconds(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        if left > (typical or 0.0):
+            return False
+        if not self.said_out_of_time:
+            self.said_out_of_time = True
+            took = f"a launch here takes ~{typical / 60:.1f} min (median)" if typical else "no time left"
+            log(f"stopping: {max(left, 0) / 60:.1f} min of --time-limit left and {took}; "
+                "everything measured is kept: run the same command again to go on")
+        return True
 
     def known_infeasible(self, study: optuna.Study, params: space.ServerParams) -> FrozenTrial | None:
         """An earlier launch that failed for KV memory with at least this much memory and at most
@@ -771,6 +793,25 @@ class Tuner:
             for number in todo:
                 self.relaunch(study, number, "confirm", self.cfg.confirm)
                 confirmed.add(number)
+
+
+def launch_seconds(trials: list[FrozenTrial]) -> float | None:
+    """The median wall time of the trials that launched a server, from ask to tell (launch, load
+    test, stop): those measured when there are any, else the failed launches. None before any."""
+    def seconds(t: FrozenTrial) -> float | None:
+        if t.datetime_start is None or t.datetime_complete is None:
+            return None
+        return (t.datetime_complete - t.datetime_start).total_seconds()
+
+    launched = [t for t in trials if t.state == TrialState.COMPLETE
+                and t.user_attrs.get("failure") not in SKIPPED_KINDS]
+    measured = [t for t in launched if not t.user_attrs.get("failure")]
+    times = [s for t in (measured or launched) if (s := seconds(t)) is not None]
+    if not times:
+        return None
+    times.sort()
+    mid = len(times) // 2
+    return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
 
 
 def _alive(pid) -> bool:
