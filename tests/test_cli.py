@@ -182,3 +182,37 @@ def test_doctor_says_which_contexts_start_before_any_launch():
                                  "max_num_seqs": {"choices": [4]}}}, "s.toml", {})
     text = "\n".join(doctor_fit_lines(cfg, budget, str(preset_folder("llama-3.2-3b"))))
     assert "of 15.77 GiB" in text and "max-model-len 131072" in text and "does not start" in text
+
+
+def test_doctor_says_before_any_launch_when_no_config_can_meet_the_requirement():
+    # the 8B shape on a 24 GB card: 15 GiB of bf16 weights leave ~6-7 GiB of KV cache, about
+    # 3.4 requests of 16k at once, so "4 at once" is out of reach whatever the tuner launches
+    from tuner.cli import doctor_fit_lines
+    from tuner.config import parse_study
+    from tuner.models.presets import preset_folder
+    from tuner.search.study import Platform
+
+    h100 = Platform("cuda", "NVIDIA H100 80GB HBM3", int(79.6 * 2**30), 3352.0, ("true",), "0.24.0")
+
+    def lines(sequences: int, **more_space) -> list[str]:
+        cfg = parse_study({"model": {"path": "preset:llama-3.1-8b"}, "server": {"memory_budget_gib": 24},
+                           "space": {"gpu_memory_utilization": {"low": 0.6, "high": 0.95, "step": 0.01},
+                                     "max_model_len": {"choices": [8192, 16384, 32768]},
+                                     "max_num_seqs": {"choices": [4, 64]}, **more_space},
+                           "requirement": {"context_tokens": 16384, "sequences_at_context": sequences}},
+                          "s.toml", {})
+        return doctor_fit_lines(cfg, h100, str(preset_folder("llama-3.1-8b")))
+
+    req = [ln for ln in lines(4) if ln.startswith("requirement")]
+    assert len(req) == 1 and "PROBLEM" in req[0], req
+    assert "4 requests of 16,384 tokens at once need ~65,536 KV tokens" in req[0]
+    held = float(req[0].split("(")[1].split()[0])
+    assert 3.0 < held < 4.0     # measured on an H100: 46,000 tokens at gmu 0.92 (2.8 at once)
+    req = [ln for ln in lines(2) if ln.startswith("requirement")]
+    assert len(req) == 1 and req[0].endswith(": met") and "PROBLEM" not in req[0]
+    # an fp8 KV cache in the space halves a token's bytes: then 4 at once fit, and doctor says so
+    text = lines(4, kv_cache_dtype={"choices": ["auto", "fp8"]})
+    assert "kv-cache-dtype fp8" in text[0]
+    req = [ln for ln in text if ln.startswith("requirement")]
+    assert len(req) == 1 and req[0].endswith(": met"), req
+    assert 6.0 < float(req[0].split("(")[1].split()[0]) < 8.0

@@ -511,6 +511,7 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
     from tuner import engines
     from tuner.config import fixed_flag_values
     from tuner.search import space
+    from tuner.search.feasibility import kv_dtype_bytes
     from tuner.search.study import memory_scale
 
     if not model or not os.path.isdir(model):
@@ -537,6 +538,8 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
                            ("max_num_seqs", True), ("max_num_batched_tokens", True)):
         if top(name, smallest) is not None:
             values[name] = top(name, smallest)
+    if (d := dims.get("kv_cache_dtype")) is not None and d.choices:   # the fewest bytes a token
+        values["kv_cache_dtype"] = min(d.choices, key=lambda c: kv_dtype_bytes(c, 2))
     d = dims.get("max_model_len")
     lengths = sorted(d.choices or {int(d.low), int(d.high)}) if d else [values.get("max_model_len")]
     base = space.params_from({k: v for k, v in values.items() if k != "max_model_len"})
@@ -546,6 +549,8 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
         at.append(f"cpu-offload {base.cpu_offload_gb:g} GiB")
     if base.max_num_seqs:
         at.append(f"max-num-seqs {base.max_num_seqs}")
+    if base.kv_cache_dtype not in (None, "auto"):
+        at.append(f"kv-cache-dtype {base.kv_cache_dtype}")
     lines = [f"fits       predicted before any launch (the first launches calibrate it), at the most "
              f"KV memory the space gives: {', '.join(at)}"]
     longest = pred = None
@@ -560,6 +565,21 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
     if longest is not None:
         lines.append(f"           longest context that starts: ~{max(0, longest):,} tokens"
                      + ("" if longest > 0 else f" ({_nothing_starts_hint(pred, platform.kind, dims)})"))
+    req = cfg.requirement
+    if req.context_tokens and req.sequences_at_context:
+        # the KV cache at the most memory the space gives, with the shortest context that serves it
+        serving = [n for n in lengths if n is None or n >= req.context_tokens] or lengths[-1:]
+        pred = mm.predict(space.scaled(dataclasses.replace(base, max_model_len=serving[0]), scale))
+        need = req.sequences_at_context * req.context_tokens
+        held = pred.kv_cache_tokens / req.context_tokens
+        said = (f"{req.sequences_at_context} requests of {req.context_tokens:,} tokens at once need "
+                f"~{need:,} KV tokens; the space gives at most ~{pred.kv_cache_tokens:,} ({held:.1f} at once)"
+                + (" (uncertain)" if pred.uncertain else ""))
+        if pred.kv_cache_tokens >= need:
+            lines.append(f"requirement {said}: met")
+        else:
+            lines.append(f"requirement PROBLEM: {said}: no config of the space meets [requirement]; "
+                         "raise the budget or gmu's top, or ask for fewer sequences or a shorter context")
     return lines
 
 
