@@ -576,3 +576,44 @@ def test_time_limit_starts_no_launch_that_would_end_after_it_and_a_rerun_goes_on
     again = FakeDevice()
     study = run(cfg, again, first + 3)
     assert len(again.launches) == 3
+
+
+class PeakyDevice(FakeDevice):
+    """The server's peak of device memory grows with max-num-seqs: 4 GiB plus 1 GiB a sequence."""
+
+    def __call__(self, spec, *args, **kwargs):
+        out = super().__call__(spec, *args, **kwargs)
+        from dataclasses import replace
+
+        return replace(out, peak_gpu_server_bytes=int((4 + spec.params.max_num_seqs) * 2**30))
+
+
+def test_a_peak_above_the_memory_budget_keeps_a_measured_config_off_the_front(tmp_path):
+    # under a budget a card is emulated by a share of a bigger one; a peak of device memory above
+    # the budget would run the real card out of memory, whatever the share's plan said
+    from fakes import FAKE_STUDY
+    from tuner.config import parse_study
+    from tuner.search.trial import over_budget
+
+    assert over_budget({"peak_gpu_server_gib": 16.8}, 15.77)[1].startswith(
+        "the server's measured peak, 16.8 GiB of device memory, exceeds the 15.77 GiB")
+    assert over_budget({"peak_gpu_server_gib": 13.7}, 15.77) is None
+    assert over_budget({"peak_gpu_server_gib": 16.8}, None) is None   # no budget: the card's own
+    assert over_budget({}, 15.77) is None                              # no peak read: not held against it
+
+    doc = {**FAKE_STUDY, "server": {"memory_budget_gib": 9.0}}
+    cfg = parse_study(doc, "<fake>", {"storage": f"sqlite:///{tmp_path}/fake.db",
+                                      "results_dir": str(tmp_path / "results")})
+    study = run(cfg, PeakyDevice(), 12)
+    df = report.trials_frame(study)
+    measured = df[df["single_stream_tok_s"].notna()]
+    over = measured[measured["max_num_seqs"] > 5]
+    within = measured[measured["max_num_seqs"] <= 5]
+    assert len(over) and len(within), df[["max_num_seqs", "failure"]]
+    assert (over["failure"] == "over_budget").all() and not over["feasible"].any()
+    assert not over["pareto"].any()
+    assert (within["failure"] == "").all() and within["pareto"].any()
+    # the sampler is told too: a memory constraint, the measured figures kept as its values
+    t = study.trials[int(over["trial"].iloc[0])]
+    assert t.constraints["memory"] > 0 and t.values[0] > 0
+    assert "exceeds the 9 GiB memory budget" in t.user_attrs["failure_message"]

@@ -12,7 +12,7 @@ from tuner import engines
 from tuner.config import StudyConfig
 from tuner.noise import noise_estimate, noise_z, tie_margin
 from tuner.records import MAXIMIZE, OBJECTIVES, is_feasible  # noqa: F401  (callers read them here)
-from tuner.search.trial import extra_runs, successful_runs
+from tuner.search.trial import extra_runs, over_budget, successful_runs
 LABELS = {"single_stream_tok_s": "single-stream speed (tok/s, concurrency 1)",
           "throughput_tok_s": "throughput (steady-state output tok/s, top level)",
           "ttft_ms": "TTFT p50 at the TTFT level (ms, steady state)"}
@@ -62,6 +62,10 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
         row.update(level_columns(a.get("levels", [])))
         row.setdefault("failure", "")
         row.setdefault("baseline", "")
+        if feasible and not row["failure"] and (over := over_budget(a, a.get("memory_budget_gib"))):
+            # a trial recorded before the peak was judged against the budget: judged here too
+            feasible = row["feasible"] = False
+            row.update(failure="over_budget", failure_message=over[1])
         if t.state == TrialState.COMPLETE and feasible:
             runs = successful_runs(study, t)
             failed = [r for r in extra_runs(study, t.number) if r.get("failure")]
@@ -393,8 +397,10 @@ def describe_launch(df: pd.DataFrame) -> str:
 
 
 def table(df: pd.DataFrame, columns: list[str] | None = None) -> str:
-    cols = columns or ["trial", "state", "failure", *(f.name for f in engines.flags() if f.required),
-                       *OBJECTIVES, "runs", "pareto", "baseline"]
+    # the three flags always, any other flag where a trial set it (a searched cpu_offload_gb)
+    flags = [f.name for f in engines.flags()
+             if f.required or (f.name in df.columns and df[f.name].notna().any())]
+    cols = columns or ["trial", "state", "failure", *flags, *OBJECTIVES, "runs", "pareto", "baseline"]
     cols = [c for c in cols if c in df.columns]
     view = df[cols].copy()
     for c in OBJECTIVES:

@@ -255,11 +255,28 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
         else:
             constraints["launch"] = 1.0
         values = penalty if penalty is not None else penalty_values(cfg)
+    if not attrs.get("failure") and (over := over_budget(attrs, cfg.memory_budget_gib)) is not None:
+        # measured figures stay its values (what it did); the constraint keeps it off the front
+        attrs.update(failure="over_budget", failure_message=over[1])
+        constraints["memory"] = max(constraints["memory"], over[0])
     for key, value in attrs.items():
         trial.set_user_attr(key, value)
     for key, value in constraints.items():
         trial.set_constraint(key, value)
     return values
+
+
+def over_budget(attrs: dict, budget_gib: float | None) -> tuple[float, str] | None:
+    """Under a memory budget (a smaller card emulated by a share of this one): how far, and why,
+    the server's measured peak of device memory exceeds the budget. vLLM keeps what it plans
+    (weights, activations, KV cache) within the share, but a peak outside that plan counts on a
+    real card of the budget's size too, and there it runs out of memory. None when within it."""
+    peak = attrs.get("peak_gpu_server_gib") or attrs.get("peak_gpu_memory_gib")
+    if not budget_gib or not peak or peak <= budget_gib:
+        return None
+    return (max(0.01, peak / budget_gib - 1),
+            f"the server's measured peak, {peak:g} GiB of device memory, exceeds the "
+            f"{budget_gib:g} GiB memory budget: a card of that size runs out of memory")
 
 
 # ---------------------------------------------------------------- the run
