@@ -53,7 +53,7 @@ FAILURE_MEANING = {
     "context_too_long": "the context asked for is longer than the model or the KV pool allows",
     "requirement_not_met": "measured, but below the study's [requirement] (context or concurrency)",
     "over_budget": "measured, but its peak device memory exceeds the study's memory budget: a card "
-                   "of that size runs out of memory",
+                   "of that size can run out of memory",
     "budget_spent": "queued, but the trial budget was spent before it was launched",
     "rejected_for_length": "requests were refused for their length (prompt + output over the context)",
 }

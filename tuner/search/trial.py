@@ -269,14 +269,17 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
 def over_budget(attrs: dict, budget_gib: float | None) -> tuple[float, str] | None:
     """Under a memory budget (a smaller card emulated by a share of this one): how far, and why,
     the server's measured peak of device memory exceeds the budget. vLLM keeps what it plans
-    (weights, activations, KV cache) within the share, but a peak outside that plan counts on a
-    real card of the budget's size too, and there it runs out of memory. None when within it."""
+    (weights, activations, KV cache) within the share, but a peak outside that plan (seen while
+    loading offloaded AWQ weights) needs that memory on a real card of the budget's size too. NVML
+    also counts memory PyTorch's allocator holds freed, which a smaller card would reuse, so this
+    is the cautious reading: such a config is kept off the front. None when within the budget."""
     peak = attrs.get("peak_gpu_server_gib") or attrs.get("peak_gpu_memory_gib")
     if not budget_gib or not peak or peak <= budget_gib:
         return None
     return (max(0.01, peak / budget_gib - 1),
             f"the server's measured peak, {peak:g} GiB of device memory, exceeds the "
-            f"{budget_gib:g} GiB memory budget: a card of that size runs out of memory")
+            f"{budget_gib:g} GiB memory budget: a card of that size can run out of memory "
+            "(unless the excess was memory PyTorch held unused, which a smaller card reuses)")
 
 
 # ---------------------------------------------------------------- the run
