@@ -544,7 +544,9 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
     lengths = sorted(d.choices or {int(d.low), int(d.high)}) if d else [values.get("max_model_len")]
     base = space.params_from({k: v for k, v in values.items() if k != "max_model_len"})
     at = [f"gmu {base.gpu_memory_utilization if base.gpu_memory_utilization is not None else 'default'}"
-          + (f" of {cfg.memory_budget_gib:g} GiB" if cfg.memory_budget_gib else "")]
+          + (f" of {cfg.memory_budget_gib:g} GiB" if cfg.memory_budget_gib else "")
+          + (" (a ballast holds the rest of the card)" if cfg.memory_budget_gib
+             and cfg.memory_budget_mode == "ballast" else "")]
     if base.cpu_offload_gb:
         at.append(f"cpu-offload {base.cpu_offload_gb:g} GiB")
     if base.max_num_seqs:

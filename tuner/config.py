@@ -17,6 +17,9 @@ from tuner.records import Requirement, Workload
 # Which flags may be searched, their kinds and ranges: the engine's flag table (tuner.engines).
 _TYPES = {"float": float, "int": int, "bool": bool, "str": str}
 SAMPLERS = ("auto", "gp", "tpe", "random", "grid")
+# "share": gmu scaled to a share of the budget (vLLM plans within it); "ballast": and a process
+# holds the rest of the device, so a peak outside vLLM's plan fails as on the real card
+MEMORY_BUDGET_MODES = ("share", "ballast")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class StudyConfig:
     host: str = "127.0.0.1"
     launch_timeout_s: float = 600.0
     memory_budget_gib: float | None = None    # cap the instance at this much device memory
+    # how: "share" scales gmu to a share of the budget; "ballast" also holds the rest of the card
+    memory_budget_mode: str = "share"
     dimensions: tuple[Dimension, ...] = ()
     baselines: tuple[Baseline, ...] = ()
     workload: Workload = field(default_factory=Workload)
@@ -436,8 +441,8 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     model = _take(top.get("model", {}), {"path": str}, source, "model")
     server = _take(top.get("server", {}), {
         "extra_args": (list, str), "engine": (list, str), "command": (list, str), "env": dict, "host": str,
-        "launch_timeout_s": float, "memory_budget_gib": float, "gpu_busy_wait_s": float},
-        source, "server")
+        "launch_timeout_s": float, "memory_budget_gib": float, "memory_budget_mode": str,
+        "gpu_busy_wait_s": float}, source, "server")
     workload_fields = {f.name: f.type for f in fields(Workload)}
     wl_types = {k: _wl_type(t) for k, t in workload_fields.items() if not k.startswith("slo_")}
     wl_types.update(levels=list, request_rates=list, prompt_tokens_mix=list, output_tokens_mix=list)
@@ -567,6 +572,10 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     budget = server.get("memory_budget_gib") if budget is None else budget
     if budget is not None and budget <= 0:
         raise _fail(source, "server.memory_budget_gib", f"must be > 0, got {budget}")
+    budget_mode = server.get("memory_budget_mode", "share")
+    if budget_mode not in MEMORY_BUDGET_MODES:
+        raise _fail(source, "server.memory_budget_mode", f"unknown mode {budget_mode!r}",
+                    "choose " + " or ".join(MEMORY_BUDGET_MODES))
     confirm = overrides.get("confirm", study.get("confirm", 0))
     if confirm < 0:
         raise _fail(source, "study.confirm", f"must be >= 0, got {confirm}")
@@ -581,7 +590,8 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         name=name, source=source, model=model_path, extra_args=argv("extra_args"),
         engine=command, engine_name=engine_name, env=tuple(sorted(env.items())),
         host=overrides.get("host") or server.get("host", "127.0.0.1"),
-        launch_timeout_s=float(timeout), memory_budget_gib=budget, dimensions=dims,
+        launch_timeout_s=float(timeout), memory_budget_gib=budget, memory_budget_mode=budget_mode,
+        dimensions=dims,
         baselines=tuple(baselines), workload=wl, requirement=req,
         storage=overrides.get("storage") or study.get("storage") or default_storage(name),
         results_dir=overrides.get("results_dir") or study.get("results_dir", "results"),

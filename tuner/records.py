@@ -30,6 +30,9 @@ class LaunchSpec:
     launch_timeout_s: float = 600.0
     log_path: str = ""                 # where the full server log is written ("" = a temp file)
     stop_timeout_s: float = 30.0       # SIGTERM grace before SIGKILL of the whole group
+    # > 0: a ballast process holds all of the device's free memory but this much while the server
+    # runs (a memory budget emulated for real: tuner.run.ballast)
+    ballast_leave_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 
+from tuner.run.ballast import Ballast
 from tuner.run.process import ServerProcess
 from tuner.load.client import run_load_test
 from tuner.load.metrics import summarize
@@ -33,7 +35,10 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
     from tuner.run.devices import PeakMemorySampler
 
     t0 = time.monotonic()
-    with ServerProcess(spec) as server, PeakMemorySampler(env=spec.env) as sampler:
+    # with a ballast, only the budget is free on the device while the server runs, as on the card
+    ballast = (Ballast(spec.ballast_leave_bytes, env=spec.env) if spec.ballast_leave_bytes
+               else contextlib.nullcontext())
+    with ballast, ServerProcess(spec) as server, PeakMemorySampler(env=spec.env) as sampler:
         server.start()
         sampler.server_pgid = server.pgid
         if on_started is not None:

@@ -284,16 +284,33 @@ _LIVE: set["ServerProcess"] = set()
 _LIVE_LOCK = threading.Lock()
 
 
+_BALLASTS: set = set()   # tuner.run.ballast.Ballast: memory held for a server, stopped with it
+
+
 def live_servers() -> list["ServerProcess"]:
     with _LIVE_LOCK:
         return list(_LIVE)
 
 
+def register_ballast(ballast) -> None:
+    with _LIVE_LOCK:
+        _BALLASTS.add(ballast)
+
+
+def unregister_ballast(ballast) -> None:
+    with _LIVE_LOCK:
+        _BALLASTS.discard(ballast)
+
+
 def stop_all() -> None:
-    """Stop every server this process started and has not stopped, and the waiting spare. Safe
-    from a signal handler."""
+    """Stop every server this process started and has not stopped, the memory ballasts and the
+    waiting spare. Safe from a signal handler."""
     for server in live_servers():
         server.stop()
+    with _LIVE_LOCK:
+        ballasts = list(_BALLASTS)
+    for ballast in ballasts:
+        ballast.stop()
     spare.discard()
 
 

@@ -85,10 +85,12 @@ def vllm_version() -> str:
 def launch_spec(cfg: StudyConfig, platform: Platform, model: str, extra_args: tuple[str, ...],
                 params: space.ServerParams, log_path: Path) -> LaunchSpec:
     """The LaunchSpec of one config of this study (trials, confirmations and `measure` alike)."""
+    ballast = (int(cfg.memory_budget_gib * 2**30)
+               if cfg.memory_budget_gib and cfg.memory_budget_mode == "ballast" else 0)
     return LaunchSpec(model=model, params=params, engine=cfg.engine_name, extra_args=extra_args,
                       engine_cmd=platform.engine,
                       host=cfg.host, env=cfg.env, launch_timeout_s=cfg.launch_timeout_s,
-                      log_path=str(log_path))
+                      log_path=str(log_path), ballast_leave_bytes=ballast)
 
 
 def memory_scale(cfg: StudyConfig, platform: Platform) -> float | None:
@@ -99,6 +101,9 @@ def memory_scale(cfg: StudyConfig, platform: Platform) -> float | None:
     if scale > 1:
         raise TunerError(f"memory budget {cfg.memory_budget_gib} GiB exceeds this device's "
                          f"{platform.memory_total_bytes / 2**30:.1f} GiB: lower --memory-budget-gib")
+    if cfg.memory_budget_mode == "ballast" and platform.kind != "cuda":
+        raise TunerError("memory_budget_mode = \"ballast\" holds GPU memory, and this run has no "
+                         "CUDA device: use the default \"share\"")
     return scale
 
 
@@ -498,6 +503,7 @@ class Tuner:
         if self.scale is not None:
             common["launch_gpu_memory_utilization"] = launch_params.gpu_memory_utilization
             common["memory_budget_gib"] = self.cfg.memory_budget_gib
+            common["memory_budget_mode"] = self.cfg.memory_budget_mode
         prediction = self.predict(launch_params)
         if self.memory_model is not None:
             common["device_memory_bytes"] = self.memory_model.device_memory_bytes
