@@ -90,6 +90,30 @@ def test_a_close_call_is_a_tie_and_is_launched():
     assert got is not None and got.reason.endswith("ttft_ms")
 
 
+def test_a_launch_short_of_kv_cache_bounds_nothing_at_the_levels_where_it_bound():
+    """A 32-slot launch whose cache held only a few requests measured less than its slots could do:
+    its figures at those levels say nothing about a config with fewer slots and more memory."""
+    flags = engines.flags("vllm")
+    full = measured(0, 32)
+    got = screen.screen(candidate(4), [full], WORKLOAD, flags, NOISE)
+    assert got is not None and got.bound["throughput_tok_s"] == pytest.approx(4 * 100 * 0.9 * 1.15)
+    # the same launch, preempting at c4: the c16 figure (room for 16 requests) bounds instead
+    levels = [dict(lv, preemptions=12.0) if lv["name"] == "c4" else lv for lv in full.levels]
+    preempted = replace(full, levels=tuple(levels))
+    c16 = full.levels[2]["throughput_tok_s"] * 1.15
+    assert screen.bound(candidate(4), [preempted], WORKLOAD, flags, NOISE)["throughput_tok_s"] \
+        == pytest.approx(min(4 * 100 * 1.15, c16))
+    # a cache of 3 requests (96 tokens each): no level of 4 or more clients counts; only the
+    # n-streams bound is left
+    short = replace(full, kv_cache_tokens=3 * 96)
+    assert screen.bound(candidate(4), [short], WORKLOAD, flags, NOISE)["throughput_tok_s"] \
+        == pytest.approx(4 * 100 * 1.15)
+    # room for 4 requests exactly is enough at c4
+    room = replace(full, kv_cache_tokens=4 * 96)
+    assert screen.bound(candidate(4), [room], WORKLOAD, flags, NOISE)["throughput_tok_s"] \
+        == pytest.approx(4 * 100 * 0.9 * 1.15)
+
+
 def test_the_bound_is_never_below_what_a_config_of_this_physics_measures():
     """Configs of a same-load world (n streams at the fastest single stream, the rest queue):
     every bound is at least as good as the config's own figures, on every objective."""

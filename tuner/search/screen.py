@@ -6,7 +6,9 @@ fewer slots can at best do. For a candidate C with n slots, below the top level 
 
 - throughput: C never has more than n requests running, so it is no faster than a launch of the
   same other flags measured at a level c >= n with at least c slots (its figure at the smallest
-  such c), nor than n streams each at the fastest single stream measured;
+  such c), nor than n streams each at the fastest single stream measured. A level counts only
+  where the peer's KV cache did not bind: no preemptions there, and (where known) room for c
+  requests of the workload's length. A peer short of cache runs slower than C may, with more;
 - TTFT at level T: T clients share n slots, so in the closed loop a request waits for about
   (T / n - 1) services of others, each at least (output_tokens - 1) tokens at the fastest single
   stream's speed. Half of that is the bound (the first wave waits less);
@@ -39,6 +41,7 @@ class Measured:
     figures: dict                  # objective -> mean over the config's successful launches
     runs: int
     levels: tuple[dict, ...] = ()  # the trial's own launch: {"name", "concurrency", "throughput_tok_s", ...}
+    kv_cache_tokens: int | None = None   # what the launch's KV cache held, where the engine said
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ def bound(params: dict, measured: list[Measured], w: Workload, flags: tuple[Flag
         for m in peers:
             usable = [lv for lv in m.levels if str(lv.get("name", "")).startswith("c")
                       and n <= int(lv.get("concurrency", 0)) <= int(m.params.get(slots) or 0)
-                      and lv.get("throughput_tok_s") is not None]
+                      and lv.get("throughput_tok_s") is not None
+                      and not cache_bound(m, lv, w)]
             if usable:
                 lowest = min(usable, key=lambda lv: int(lv["concurrency"]))
                 seen.append(float(lowest["throughput_tok_s"]) * room)
@@ -109,6 +113,15 @@ def bound(params: dict, measured: list[Measured], w: Workload, flags: tuple[Flag
     else:
         out["ttft_ms"] = None
     return out
+
+
+def cache_bound(m: Measured, level: dict, w: Workload) -> bool:
+    """Whether `m`'s KV cache limited it at `level`: it preempted there, or it holds fewer tokens
+    than the level's requests need at once (the figure then says less than its slots could do)."""
+    if level.get("preemptions"):
+        return True
+    need = int(level.get("concurrency", 0)) * (w.prompt_tokens + w.output_tokens)
+    return m.kv_cache_tokens is not None and m.kv_cache_tokens < need
 
 
 def screen(params: dict, measured: list[Measured], w: Workload, flags: tuple[Flag, ...],

@@ -604,8 +604,10 @@ class Tuner:
                 figures[k] = sum(values) / len(values)
                 if len(values) >= 2:
                     groups[k].append(values)
+            kv = t.user_attrs.get("kv_cache_tokens")
             measured.append(screen.Measured(t.number, dict(t.params), figures, len(runs),
-                                            tuple(t.user_attrs.get("levels", ()))))
+                                            tuple(t.user_attrs.get("levels", ())),
+                                            int(kv) if kv is not None else None))
         noise = noise_module.noise_estimate(groups)
         return screen.screen(params.values(), measured, self.cfg.workload, engines.flags(), noise,
                              self.cfg.tie_tolerance)
