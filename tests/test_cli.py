@@ -216,3 +216,18 @@ def test_doctor_says_before_any_launch_when_no_config_can_meet_the_requirement()
     req = [ln for ln in text if ln.startswith("requirement")]
     assert len(req) == 1 and req[0].endswith(": met"), req
     assert 6.0 < float(req[0].split("(")[1].split()[0]) < 8.0
+
+
+def test_doctor_checks_a_new_sqlite_storage_without_creating_it(tmp_path):
+    from tuner.errors import TunerError
+    from tuner.search.storage import check_storage
+
+    db = tmp_path / "studies" / "new.db"
+    assert check_storage(f"sqlite:///{db}") == "ok (the first run creates it)"
+    assert not db.exists() and not db.parent.exists()     # nothing created, not even the folder
+    with pytest.raises(TunerError, match="cannot be created: /sys is not writable"):
+        check_storage("sqlite:////sys/tuner/x.db")
+    # an existing database is opened, as `run` will
+    import optuna
+    optuna.create_study(storage=f"sqlite:///{tmp_path / 'old.db'}", study_name="s")
+    assert check_storage(f"sqlite:///{tmp_path / 'old.db'}") == "ok"

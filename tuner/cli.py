@@ -439,7 +439,7 @@ def cmd_doctor(args) -> int:
     from tuner.models.checkpoint import resolve_model
     from tuner.records import Platform
     from tuner.run.process import check_engine_cmd
-    from tuner.search.storage import open_storage
+    from tuner.search.storage import check_storage
     from tuner.search.study import check_results_dir, detect_platform
 
     cfg = load_config(args)
@@ -477,8 +477,7 @@ def cmd_doctor(args) -> int:
     except TunerError as e:
         lines.append(f"values     PROBLEM: {e}")
     try:
-        open_storage(cfg.storage)
-        lines.append(f"storage    {cfg.storage}: ok")
+        lines.append(f"storage    {cfg.storage}: {check_storage(cfg.storage)}")
     except TunerError as e:
         lines.append(f"storage    PROBLEM: {e}")
     try:

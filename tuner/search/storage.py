@@ -49,6 +49,25 @@ def open_storage(url: str, shared: bool = False) -> optuna.storages.BaseStorage:
                          "pass --storage URL (e.g. sqlite:///studies/NAME.db)")
 
 
+def check_storage(url: str) -> str:
+    """What `doctor` says of the storage, creating nothing: a SQLite file that does not exist yet
+    is checked by its folder (the first `run` creates it); any other URL is opened."""
+    import tempfile
+
+    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).exists():
+        folder = Path(url[len("sqlite:///"):]).resolve().parent
+        while not folder.exists():
+            folder = folder.parent
+        try:   # a file that vanishes once closed: the one way to know, as root too
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError:
+            raise TunerError(f"storage {url} cannot be created: {folder} is not writable: "
+                             "pass --storage URL") from None
+        return "ok (the first run creates it)"
+    open_storage(url)
+    return "ok"
+
+
 @contextlib.contextmanager
 def quiet_experimental():
     """Optuna's heartbeat and retry API without its ExperimentalWarning on every use."""
