@@ -600,6 +600,9 @@ def test_a_peak_above_the_memory_budget_keeps_a_measured_config_off_the_front(tm
     assert over_budget({"peak_gpu_server_gib": 13.7}, 15.77) is None
     assert over_budget({"peak_gpu_server_gib": 16.8}, None) is None   # no budget: the card's own
     assert over_budget({}, 15.77) is None                              # no peak read: not held against it
+    # under a ballast the card had only the budget free: the peak is the card's own business
+    assert over_budget({"peak_gpu_server_gib": 16.8, "memory_budget_mode": "ballast"}, 15.77) is None
+    assert over_budget({"peak_gpu_server_gib": 16.8, "memory_budget_mode": "share"}, 15.77) is not None
 
     doc = {**FAKE_STUDY, "server": {"memory_budget_gib": 9.0}}
     cfg = parse_study(doc, "<fake>", {"storage": f"sqlite:///{tmp_path}/fake.db",

@@ -62,8 +62,7 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
         row.update(level_columns(a.get("levels", [])))
         row.setdefault("failure", "")
         row.setdefault("baseline", "")
-        if (feasible and not row["failure"] and a.get("memory_budget_mode") != "ballast"
-                and (over := over_budget(a, a.get("memory_budget_gib")))):
+        if feasible and not row["failure"] and (over := over_budget(a, a.get("memory_budget_gib"))):
             # a trial recorded before the peak was judged against the budget: judged here too
             feasible = row["feasible"] = False
             row.update(failure="over_budget", failure_message=over[1])

@@ -54,8 +54,9 @@ def check_storage(url: str) -> str:
     is checked by its folder (the first `run` creates it); any other URL is opened."""
     import tempfile
 
-    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).exists():
-        folder = Path(url[len("sqlite:///"):]).resolve().parent
+    db = Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
+    if db is not None and not db.exists():
+        folder = db.resolve().parent
         while not folder.exists():
             folder = folder.parent
         try:   # a file that vanishes once closed: the one way to know, as root too

@@ -255,9 +255,7 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
         else:
             constraints["launch"] = 1.0
         values = penalty if penalty is not None else penalty_values(cfg)
-    # (with a ballast the card had only the budget: a peak above it would have failed for real)
-    if (not attrs.get("failure") and cfg.memory_budget_mode != "ballast"
-            and (over := over_budget(attrs, cfg.memory_budget_gib)) is not None):
+    if not attrs.get("failure") and (over := over_budget(attrs, cfg.memory_budget_gib)) is not None:
         # measured figures stay its values (what it did); the constraint keeps it off the front
         attrs.update(failure="over_budget", failure_message=over[1])
         constraints["memory"] = max(constraints["memory"], over[0])
@@ -274,9 +272,11 @@ def over_budget(attrs: dict, budget_gib: float | None) -> tuple[float, str] | No
     (weights, activations, KV cache) within the share, but a peak outside that plan (seen while
     loading offloaded AWQ weights) needs that memory on a real card of the budget's size too. NVML
     also counts memory PyTorch's allocator holds freed, which a smaller card would reuse, so this
-    is the cautious reading: such a config is kept off the front. None when within the budget."""
+    is the cautious reading: such a config is kept off the front. None when within the budget, and
+    under a ballast (`memory_budget_mode` in attrs): the card then had only the budget free, so a
+    peak above it would have failed for real."""
     peak = attrs.get("peak_gpu_server_gib") or attrs.get("peak_gpu_memory_gib")
-    if not budget_gib or not peak or peak <= budget_gib:
+    if not budget_gib or not peak or peak <= budget_gib or attrs.get("memory_budget_mode") == "ballast":
         return None
     return (max(0.01, peak / budget_gib - 1),
             f"the server's measured peak, {peak:g} GiB of device memory, exceeds the "
