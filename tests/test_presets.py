@@ -72,6 +72,19 @@ def test_published_shapes():
     assert (q32["num_hidden_layers"], q32["num_key_value_heads"], q32["hidden_size"]) == (64, 8, 5120)
 
 
+@pytest.mark.parametrize("name, billions", [("qwen2.5-7b", 7.62), ("qwen3-8b", 8.19),
+                                            ("mistral-7b", 7.25), ("llama-3.1-8b", 8.03)])
+def test_the_memory_model_counts_each_preset_as_its_model_card_does(name, billions, tmp_path,
+                                                                   monkeypatch):
+    """The parameter counts the model cards publish (Qwen2.5-7B 7.61B, Qwen3-8B 8.2B, Mistral 7B
+    v0.3 7.25B, Llama 3.1 8B 8.03B), within 10 million: the shapes are the published ones."""
+    from tuner.search import feasibility
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    shape = feasibility.model_shape(str(presets.preset_folder(name)))
+    assert shape.param_count / 1e9 == pytest.approx(billions, abs=0.01)
+
+
 def test_the_awq_preset_is_the_32b_shape_in_4_bit_and_needs_offload_on_a_16_gb_card():
     from tuner.search import feasibility
     from tuner.search.space import ServerParams

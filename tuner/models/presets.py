@@ -52,6 +52,31 @@ PRESETS: dict[str, dict] = {
         "initializer_range": 0.02, "use_cache": True,
     },
 }
+PRESETS["qwen2.5-7b"] = {
+    **PRESETS["qwen2.5-32b"], "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "max_window_layers": 28,
+}
+# Qwen3: no QKV bias, a norm on q and k, head_dim 128 stated (not hidden / heads for every size)
+PRESETS["qwen3-8b"] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "sliding_window": None,
+    "use_sliding_window": False, "max_window_layers": 36, "tie_word_embeddings": False,
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+    "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+}
+PRESETS["mistral-7b"] = {   # Mistral-7B-Instruct-v0.3: no sliding window, a 32,768-token vocabulary
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32768,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+    "hidden_act": "silu", "sliding_window": None, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", "attention_dropout": 0.0,
+    "initializer_range": 0.02, "use_cache": True,
+}
 # Qwen2.5-32B-Instruct-AWQ's published config: the 32B shape in fp16 (AWQ kernels take no bf16, and
 # a V100 has none) with 4-bit weights in groups of 128. Embeddings and lm_head stay fp16, so the
 # weights are ~18 GiB: on a 16 GB card no config starts without --cpu-offload-gb.
@@ -69,6 +94,9 @@ HF_IDS: dict[str, str] = {
     "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
     "qwen2.5-32b": "Qwen/Qwen2.5-32B-Instruct",
     "qwen2.5-32b-awq": "Qwen/Qwen2.5-32B-Instruct-AWQ",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
 }
 
 # The embedded default: small enough to start fast on 2 CPU cores, with a KV cache large enough per
@@ -81,7 +109,7 @@ TINY_CONFIG = _llama(256, 512, 4, 4, 4, 4096, 32768, 1, 2, None)
 # for qwen2). A word-level vocabulary rebuilt that way encodes every prompt to no tokens at all
 # (vLLM: "The decoder prompt cannot be empty"), so these get a byte-level BPE built exactly as that
 # class builds one: whichever class loads it, it is the same tokenizer.
-BYTE_LEVEL_MODEL_TYPES = frozenset({"qwen2"})
+BYTE_LEVEL_MODEL_TYPES = frozenset({"qwen2", "qwen3"})
 QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                            r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # Bump when the files written for a preset change, so cached preset folders are rebuilt.
