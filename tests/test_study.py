@@ -620,3 +620,18 @@ def test_a_peak_above_the_memory_budget_keeps_a_measured_config_off_the_front(tm
     t = study.trials[int(over["trial"].iloc[0])]
     assert t.constraints["memory"] > 0 and t.values[0] > 0
     assert "exceeds the 9 GiB memory budget" in t.user_attrs["failure_message"]
+
+
+def test_a_study_whose_every_launch_failed_says_why_it_has_no_front(tmp_path, capsys):
+    from tuner import cli
+
+    cfg = fake_config(tmp_path)
+    study = run(cfg, FakeDevice(tokens_per_gmu=10), 3)   # no KV cache holds any max-model-len
+    df = report.trials_frame(study)
+    assert not df["pareto"].any() and (df["failure"] != "").all()
+    cli.print_summary(study, cfg)
+    said = capsys.readouterr().err
+    assert "Pareto set: none yet; no trial has met every constraint (kv_cache_too_small" in said
+    assert "Empty DataFrame" not in said
+    assert report.describe_empty_front(df.iloc[0:0]) == ("Pareto set: none yet (no trial has "
+                                                         "been measured)")

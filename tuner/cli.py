@@ -328,8 +328,11 @@ def print_summary(study, cfg) -> None:
     print(f"study {cfg.name}: {len(df)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())})",
           file=sys.stderr)
     print(report.describe_noise(df.attrs.get("noise")), file=sys.stderr)
-    print(f"Pareto set ({len(front)} configs):", file=sys.stderr)
-    print(report.table(front), file=sys.stderr)
+    if len(front):
+        print(f"Pareto set ({len(front)} configs):", file=sys.stderr)
+        print(report.table(front), file=sys.stderr)
+    else:
+        print(report.describe_empty_front(df), file=sys.stderr)
     print(f"results: {cfg.results_path}/ (trials.csv, pareto.csv, levels.csv, noise.json, "
           "pareto.png, curves.png, parameters.png, best-command.sh, report.html)", file=sys.stderr)
     if len(front):
@@ -373,7 +376,10 @@ def cmd_show(args) -> int:
     print(f"\n{report.describe_noise(df.attrs.get('noise'))}")
     if launch := report.describe_launch(df):
         print(launch)
-    print(f"Pareto set: trials {', '.join(str(int(t)) for t in front['trial'])}")
+    if len(front):
+        print(f"Pareto set: trials {', '.join(str(int(t)) for t in front['trial'])}")
+    else:
+        print(report.describe_empty_front(df))
     return 0
 
 

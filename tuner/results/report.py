@@ -396,6 +396,15 @@ def describe_launch(df: pd.DataFrame) -> str:
     return line + (" (median phases: " + ", ".join(parts) + ")" if parts else "")
 
 
+def describe_empty_front(df: pd.DataFrame) -> str:
+    """Why a study has no Pareto set yet: every trial so far failed or broke a constraint."""
+    kinds = df.loc[df["failure"] != "", "failure"].value_counts()
+    if kinds.empty:
+        return "Pareto set: none yet (no trial has been measured)"
+    said = ", ".join(f"{kind} {n}" for kind, n in kinds.items())
+    return f"Pareto set: none yet; no trial has met every constraint ({said})"
+
+
 def table(df: pd.DataFrame, columns: list[str] | None = None) -> str:
     # the three flags always, any other flag where a trial set it (a searched cpu_offload_gb)
     flags = [f.name for f in engines.flags()
