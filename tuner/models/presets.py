@@ -68,14 +68,10 @@ PRESETS["qwen3-8b"] = {
     "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
     "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
 }
-PRESETS["mistral-7b"] = {   # Mistral-7B-Instruct-v0.3: no sliding window, a 32,768-token vocabulary
-    "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32768,
-    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
-    "hidden_act": "silu", "sliding_window": None, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", "attention_dropout": 0.0,
-    "initializer_range": 0.02, "use_cache": True,
+# Mistral-7B-Instruct-v0.3: the Llama layout, no sliding window, a 32,768-token vocabulary
+PRESETS["mistral-7b"] = {
+    **_llama(4096, 14336, 32, 32, 8, 32768, 32768, 1, 2, None, rope_theta=1000000.0),
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None,
 }
 # Qwen2.5-32B-Instruct-AWQ's published config: the 32B shape in fp16 (AWQ kernels take no bf16, and
 # a V100 has none) with 4-bit weights in groups of 128. Embeddings and lm_head stay fp16, so the
