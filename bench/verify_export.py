@@ -28,16 +28,27 @@ from tuner.load.client import load_plan  # noqa: E402
 from tuner.search.storage import load_existing  # noqa: E402
 from tuner.search.trial import extra_runs  # noqa: E402
 
+# vLLM's client, every run in one process (its imports take ~15 s a process on the GPU machine):
+# argv[1] is a JSON list of {"name", "argv"}; the server's /metrics text is saved before and after
+# each run, so the server's own TTFT histogram referees what each run offered
 VLLM_BENCH = """
-import sys
+import json, sys, urllib.request
 try:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 except ImportError:
     from vllm.utils import FlexibleArgumentParser
 from vllm.benchmarks.serve import add_cli_args, main
-parser = FlexibleArgumentParser()
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
+runs, base_url, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+def scrape(path):
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r, open(path, "wb") as f:
+        f.write(r.read())
+for run in runs:
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    scrape(f"{out}/{run['name']}.before.prom")
+    main(parser.parse_args(run["argv"]))
+    scrape(f"{out}/{run['name']}.after.prom")
+    print("done", run["name"], flush=True)
 """
 
 
@@ -59,18 +70,37 @@ def mean(values):
     return sum(values) / len(values) if values else None
 
 
-def vllm_bench(base_url: str, model: str, w, concurrency: int, requests: int, out: Path,
-               seed: int) -> dict:
+def bench_argv(base_url: str, model: str, w, concurrency: int, requests: int, out: Path,
+               name: str, seed: int) -> list[str]:
     # vLLM's random dataset draws the same prompts for the same seed: one seed per run, or every
     # level would reuse the warm-up's and the levels' before it (prefix cache hits up to 87.5 %)
-    name = f"c{concurrency}-{seed}.json"
-    argv = [sys.executable, "-c", VLLM_BENCH, "--backend", "vllm", "--base-url", base_url,
+    return ["--backend", "vllm", "--base-url", base_url,
             "--model", model, "--dataset-name", "random", "--random-input-len", str(w.prompt_tokens),
             "--random-output-len", str(w.output_tokens), "--num-prompts", str(requests),
             "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
-            "--seed", str(seed), "--disable-tqdm", "--save-result", "--result-dir", str(out), "--result-filename", name]
-    subprocess.run(argv, check=True, capture_output=True, text=True)
-    return json.loads((out / name).read_text())
+            "--seed", str(seed), "--disable-tqdm", "--save-result", "--result-dir", str(out),
+            "--result-filename", name + ".json"]
+
+
+def run_vllm_bench(base_url: str, runs: list[dict], out: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", VLLM_BENCH, json.dumps(runs), base_url, str(out)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"vllm bench serve failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
+
+
+def server_ttft_ms(out: Path, name: str) -> float | None:
+    """The server's own mean TTFT (its histogram's delta) over run `name`."""
+    from fidelity import server_figures
+    from tuner.load.client import parse_prometheus
+
+    before, after = (dict(parse_prometheus((out / f"{name}.{when}.prom").read_text(), "vllm"))
+                     for when in ("before", "after"))
+    return server_figures(before, after)["server_ttft_ms_mean"]
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def main() -> int:
@@ -91,30 +121,42 @@ def main() -> int:
     print(f"exported config: trial {number}, {int(row['runs'])} launch(es); "
           + report.describe_noise(df.attrs.get("noise")))
     print("level | requests | study tok/s (steady / wall) | vllm bench tok/s | ratio (wall) | "
-          "study TTFT p50 ms, all requests (steady state) | vllm bench TTFT p50 ms | ratio")
+          "study TTFT p50 ms, all requests (steady state) | vllm bench TTFT p50 ms | ratio | "
+          "TTFT mean ms: study / vllm bench | server's own TTFT mean ms: study / vllm bench")
+    levels = [lv for lv in load_plan(cfg.workload) if lv.request_rate is None]
+    sent = {}
+    # one discarded run first, as the study's warm-up
+    runs = [{"name": "warmup", "argv": bench_argv(args.base_url, args.model, cfg.workload, 8, 16,
+                                                  Path(), "warmup", args.seed)}]
+    for k, lv in enumerate(levels, start=1):
+        # a level with a time floor sent as many requests as fit in it: vLLM's client sends
+        # the mean count of the study's launches (its count is fixed up front)
+        n = mean([x.get("requests") for x in claimed.get(lv.name, [])]) or lv.requests
+        sent[lv.name] = int(round(n)) * args.scale
+        runs.append({"name": lv.name, "argv": bench_argv(args.base_url, args.model, cfg.workload,
+                                                         lv.concurrency, sent[lv.name], Path(),
+                                                         lv.name, args.seed + k)})
     with tempfile.TemporaryDirectory() as tmp:
-        # one discarded run first, as the study's warm-up
-        vllm_bench(args.base_url, args.model, cfg.workload, 8, 16, Path(tmp), args.seed)
-        for k, lv in enumerate(load_plan(cfg.workload), start=1):
-            if lv.request_rate is not None:
-                continue
+        for run in runs:
+            run["argv"][run["argv"].index("--result-dir") + 1] = tmp
+        run_vllm_bench(args.base_url, runs, Path(tmp))
+        for lv in levels:
             ours = claimed.get(lv.name, [])
-            # a level with a time floor sent as many requests as fit in it: vLLM's client sends
-            # the mean count of the study's launches (its count is fixed up front)
-            sent = mean([x.get("requests") for x in ours]) or lv.requests
-            n = int(round(sent)) * args.scale
-            got = vllm_bench(args.base_url, args.model, cfg.workload, lv.concurrency, n, Path(tmp),
-                             args.seed + k)
+            got = json.loads((Path(tmp) / f"{lv.name}.json").read_text())
             steady = mean([x.get("throughput_tok_s") for x in ours])
             wall = mean([x.get("throughput_tok_s_wall") for x in ours])
             # vLLM's median TTFT is over every request: the study's same-definition figure is
             # ttft_ms_all (its objective, ttft_ms, leaves out the first wave), older studies lack it
             ttft = mean([x.get("ttft_ms_all", x.get("ttft_ms")) for x in ours])
             ttft_steady = mean([x.get("ttft_ms") for x in ours])
+            ttft_mean = mean([x.get("ttft_ms_mean") for x in ours])
+            server_ours = mean([x.get("server_ttft_ms_mean") for x in ours])
+            server_theirs = server_ttft_ms(Path(tmp), lv.name)
             thr, their_ttft = got["output_throughput"], got["median_ttft_ms"]
-            print(f"{lv.name} | {n} | {steady:.0f} / {wall:.0f} | {thr:.0f} | "
+            print(f"{lv.name} | {sent[lv.name]} | {steady:.0f} / {wall:.0f} | {thr:.0f} | "
                   f"{wall / thr:.3f} | {ttft:.1f} (steady {ttft_steady:.1f}) | {their_ttft:.1f} | "
-                  f"{ttft / their_ttft:.3f}", flush=True)
+                  f"{ttft / their_ttft:.3f} | {fmt(ttft_mean, '.1f')} / {got['mean_ttft_ms']:.1f} | "
+                  f"{fmt(server_ours, '.1f')} / {fmt(server_theirs, '.1f')}", flush=True)
     return 0
 
 
