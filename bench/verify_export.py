@@ -8,6 +8,12 @@ TTFT beside the study's figures for the exported config (mean over its launches)
 Target: throughput within 3 %, TTFT within 10 %.
 
   python3 bench/verify_export.py --study studies/h200-levels.toml --base-url URL --model PATH
+  python3 bench/verify_export.py --study studies/h200-steady-8b.toml --summarize results/h200-steady-8b/verify-*.txt
+
+--summarize reads the tables that earlier runs printed (any number of verify launches, any number
+of runs each) and sets every vllm bench run beside the study's launches, per level: the claim is
+the mean over the study's launches, the check is the mean over vLLM's runs, and each side's
+min-max shows its own spread.
 """
 
 from __future__ import annotations
@@ -103,11 +109,45 @@ def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def bench_runs(paths: list[Path]) -> dict[str, list[tuple[float, float]]]:
+    """(vllm bench tok/s, vllm bench TTFT p50 ms) per level over every run of every file."""
+    got: dict[str, list[tuple[float, float]]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            cells = [c.strip() for c in line.split("|")]
+            if len(cells) >= 7 and cells[1].isdigit():
+                got.setdefault(cells[0], []).append((float(cells[3]), float(cells[6])))
+    return got
+
+
+def span(values) -> str:
+    return f"{mean(values):.1f} ({min(values):.1f}-{max(values):.1f}, n={len(values)})"
+
+
+def summarize(study, number: int, paths: list[Path]) -> None:
+    claimed, got = study_levels(study, number), bench_runs(paths)
+    print(f"trial {number}: the study's launches against every vllm bench run in {len(paths)} file(s); "
+          "mean (min-max, n); ratio = study mean / vllm bench mean; targets: 3 % and 10 %")
+    print("level | study tok/s (wall) | vllm bench tok/s | ratio | study TTFT p50 ms (all requests) | "
+          "vllm bench TTFT p50 ms | ratio")
+    for name, runs in got.items():
+        ours = claimed.get(name, [])
+        if not ours:
+            continue
+        wall = [x["throughput_tok_s_wall"] for x in ours]
+        ttft = [x.get("ttft_ms_all", x["ttft_ms"]) for x in ours]
+        thr, their_ttft = [r[0] for r in runs], [r[1] for r in runs]
+        print(f"{name} | {span(wall)} | {span(thr)} | {mean(wall) / mean(thr):.3f} | {span(ttft)} | "
+              f"{span(their_ttft)} | {mean(ttft) / mean(their_ttft):.3f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", required=True)
-    ap.add_argument("--base-url", required=True)
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--summarize", nargs="+", type=Path, metavar="VERIFY_TXT",
+                    help="no server: set the vllm bench runs printed in these files beside the study")
+    ap.add_argument("--base-url")
+    ap.add_argument("--model")
     ap.add_argument("--seed", type=int, default=1000, help="first of the seeds used, one per level")
     ap.add_argument("--scale", type=int, default=1,
                     help="send SCALE times each level's request count (longer phases)")
@@ -117,6 +157,11 @@ def main() -> int:
     df = report.trials_frame(study, cfg.tie_tolerance)
     row = export.choose(df[df["pareto"]], "balanced", df.attrs.get("noise"), cfg.tie_tolerance)
     number = int(row["trial"])
+    if args.summarize:
+        summarize(study, number, args.summarize)
+        return 0
+    if not (args.base_url and args.model):
+        ap.error("--base-url and --model are needed unless --summarize is given")
     claimed = study_levels(study, number)
     print(f"exported config: trial {number}, {int(row['runs'])} launch(es); "
           + report.describe_noise(df.attrs.get("noise")))
