@@ -42,7 +42,10 @@ from tuner.search.space import ServerParams  # noqa: E402
 GIB = feasibility.GIB
 GRID = REPO / "bench" / "data" / "grid-tiny-cpu.csv"
 H200_STUDIES = {"h200-16gb": "llama-3.2-3b", "h200-full": "llama-3.1-8b",
-                "h200-levels": "llama-3.2-3b"}
+                "h200-levels": "llama-3.2-3b", "h200-steady-8b": "llama-3.1-8b",
+                "h200-24gb-mix": "llama-3.1-8b", "h200-16gb-32b-awq": "qwen2.5-32b-awq"}
+# failures that still launched a server and logged its KV cache: the figures are a fit
+LAUNCHED_KINDS = ("load_test_failed", "over_budget")
 MEMORY_KINDS = ("kv_cache_too_small", "no_cache_blocks")
 
 
@@ -55,6 +58,8 @@ def _params(row) -> ServerParams:
     gmu = _v(row, "launch_gpu_memory_utilization") or _v(row, "gpu_memory_utilization")
     return ServerParams(gpu_memory_utilization=gmu, max_model_len=int(row["max_model_len"]),
                         max_num_seqs=int(row["max_num_seqs"]),
+                        cpu_offload_gb=_v(row, "cpu_offload_gb"),
+                        kv_cache_dtype=_v(row, "kv_cache_dtype"),
                         max_num_batched_tokens=(int(row["max_num_batched_tokens"])
                                                 if _v(row, "max_num_batched_tokens") else None))
 
@@ -74,7 +79,7 @@ def _logged_available(row, model: feasibility.MemoryModel, params: ServerParams)
     kind = _v(row, "failure") or ""
     r = model.resolve(params)
     bpt = model.shape.kv_bytes_per_token(r.kv_dtype_bytes)
-    if not kind or kind == "load_test_failed":
+    if not kind or kind in LAUNCHED_KINDS:
         if _v(row, "num_gpu_blocks"):
             return (row["num_gpu_blocks"] + 0.5) * (_v(row, "block_size") or model.block_size) * bpt / GIB
         return _v(row, "kv_cache_gib")
@@ -95,14 +100,14 @@ def replay(name: str, rows: list[dict], model: feasibility.MemoryModel, logs: Pa
            out: list[dict]) -> None:
     for row in rows:
         kind = _v(row, "failure") or ""
-        if kind and kind not in MEMORY_KINDS + ("load_test_failed",):
+        if kind and kind not in MEMORY_KINDS + LAUNCHED_KINDS:
             continue                      # skipped, interrupted: nothing was launched
         params = _params(row)
         if _v(row, "device_memory_bytes") or _v(row, "node_memory_bytes"):
             model.device_memory_bytes = int(_v(row, "device_memory_bytes") or row["node_memory_bytes"])
         p = model.predict(params)
         logged = _logged_available(row, model, params)
-        actual = "fits" if kind in ("", "load_test_failed") else kind
+        actual = "fits" if kind in ("",) + LAUNCHED_KINDS else kind
         out.append({"study": name, "trial": int(row["trial"]), "gmu": params.gpu_memory_utilization,
                     "mml": params.max_model_len, "seqs": params.max_num_seqs, "actual": actual,
                     "logged_gib": logged, "predicted_gib": p.kv_budget_gib, "band_gib": p.band_gib,
@@ -258,7 +263,7 @@ def main() -> int:
         shape = feasibility.model_shape(str(write_model_folder(PRESETS[preset], tmp / preset)))
         df = pd.read_csv(csv).sort_values("trial")
         model = feasibility.MemoryModel(shape, int(df["device_memory_bytes"].dropna().iloc[0]), "cuda",
-                                        device_name="NVIDIA H200")
+                                        device_name=str(df["gpu_name"].dropna().iloc[0]))
         replay(study, df.to_dict("records"), model, REPO / "results" / study / "trials", rows)
     table = pd.read_csv(GRID)
     table = table[table.state == "COMPLETE"]
@@ -268,7 +273,7 @@ def main() -> int:
         r["study_name"] = r["study"]
     replay("grid-tiny-cpu", order, cpu, None, rows)
     for r, src in zip([r for r in rows if r["study"] == "grid-tiny-cpu"],
-                      [o for o in order if (_v(o, "failure") or "") in MEMORY_KINDS + ("", "load_test_failed")]):
+                      [o for o in order if (_v(o, "failure") or "") in MEMORY_KINDS + ("",) + LAUNCHED_KINDS]):
         r["study"] = src["study_name"]
     print_rows(rows)
     print()

@@ -377,6 +377,35 @@ def test_launches_at_two_batch_sizes_fit_the_activation_slope(llama3b):
     assert model.overhead_bytes(r) == pytest.approx(want, abs=16 * bpt)
 
 
+def test_a_smaller_batch_keeps_the_measured_overhead_until_a_second_batch_size_is_seen(llama3b):
+    # One ready launch at 8192 batched tokens: a config at 4096 is not granted the prior's
+    # activation saving (a 32B AWQ launch with offload measured none); once a launch at 4096 shows
+    # a real saving, the fitted slope takes over and the smaller batch gets it.
+    model = MemoryModel(llama3b, H200_NVML, "cuda", device_name="NVIDIA H200")
+    bpt = llama3b.kv_bytes_per_token()
+    base = ServerParams(gpu_memory_utilization=0.2, max_model_len=4096, max_num_seqs=8)
+    big = ServerParams(**{**base.__dict__, "max_num_batched_tokens": 8192})
+    small = ServerParams(**{**base.__dict__, "max_num_batched_tokens": 4096})
+
+    def observe(params, overhead):
+        blocks = int((model.requested_bytes(model.resolve(params)) - overhead) // (16 * bpt))
+        model.observe_ready(params, Capacity(num_gpu_blocks=blocks, block_size=16,
+                                             kv_cache_tokens=blocks * 16))
+
+    measured = model._prior_total(model.resolve(big)) + 0.5 * GIB
+    observe(big, measured)
+    prior_saving = 4096 * model.activation_bytes_per_token()
+    assert prior_saving > 0.1 * GIB
+    assert model.overhead_bytes(model.resolve(small)) == pytest.approx(measured, abs=16 * bpt)
+    assert model.predict(small).kv_cache_tokens <= model.predict(big).kv_cache_tokens
+    # a larger batch still costs the prior's activation on top
+    larger = model.resolve(ServerParams(**{**base.__dict__, "max_num_batched_tokens": 16384}))
+    assert model.overhead_bytes(larger) == pytest.approx(measured + prior_saving * 2, abs=16 * bpt)
+    observe(small, measured - 0.4 * GIB)
+    assert model.overhead_bytes(model.resolve(small)) == pytest.approx(measured - 0.4 * GIB,
+                                                                       abs=16 * bpt)
+
+
 def test_launch_to_launch_spread_widens_the_band(llama8b):
     # results/h200-full trials 1 and 4: the same share and batch, 112.28 and 112.51 GiB of KV.
     model = MemoryModel(llama8b, H200_NVML, "cuda", device_name="NVIDIA H200")

@@ -456,13 +456,24 @@ class MemoryModel:
         best = max(sc for sc, _, _ in scored)
         return [(ro, res) for sc, ro, res in scored if sc == best]
 
+    def _fitted(self, r: Resolved) -> bool:
+        """Whether exact launches of this enforce-eager span two or more max-num-batched-tokens."""
+        return len({ro.max_num_batched_tokens for ro, _ in self._exact()
+                    if ro.enforce_eager == r.enforce_eager}) >= 2
+
     def correction_bytes(self, r: Resolved) -> float:
         """Observed minus prior overhead, from the launches most like this config, moved along the
-        fitted activation slope to this config's max-num-batched-tokens."""
+        fitted activation slope to this config's max-num-batched-tokens. Before launches at two
+        batch sizes fit that slope, a smaller batch keeps the overhead measured at the larger one:
+        the prior's activation saving is not taken on trust (a 32B AWQ launch with offload took
+        13.2 GiB at 4,096 batched tokens and 13.3 at 8,192, where the prior saved 0.58 GiB)."""
         near = self._nearest(r)
         if near:
             slope = self.activation_slope(r)
-            shifted = [res + slope * (r.max_num_batched_tokens - ro.max_num_batched_tokens)
+            fitted = self._fitted(r)
+            shifted = [res + (slope if fitted or r.max_num_batched_tokens >= ro.max_num_batched_tokens
+                              else -self.activation_bytes_per_token())
+                       * (r.max_num_batched_tokens - ro.max_num_batched_tokens)
                        for ro, res in near]
             correction = sum(shifted) / len(shifted)
         else:
