@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import replace
 import json
 import socket
+import statistics
 import threading
 
 import aiohttp
@@ -378,6 +379,33 @@ def test_time_floor_keeps_a_level_sending_until_it_has_run_long_enough(fake):
     assert 0 < lv.ttft_requests <= len(level.requests) - 4
     # a rate level sends rate x the floor when that is more than throughput_requests
     assert load_plan(replace(w, levels=(), request_rates=(50.0,), max_concurrency=1))[-1].requests == 50
+
+
+def test_staggered_closed_loop_spreads_the_slots_over_a_request_time(fake):
+    # 8 tokens at 10 ms: a request takes ~80 ms. Together, the 4 slots' first requests start within
+    # a few ms and the waves stay in step; staggered, slot k starts k/4 of the single-stream
+    # latency in, and with fixed lengths the slots keep that spacing.
+    fake.delay = 0.01
+    base = Workload(prompt_tokens=16, output_tokens=8, warmup_requests=0, single_stream_requests=2,
+                    throughput_requests=16, levels=(4,))
+    spreads = {}
+    for start in ("together", "staggered"):
+        phases = run_load_test(fake.base_url, MODEL, replace(base, closed_loop_start=start),
+                               progress=False)
+        level = phases[-1]
+        assert len(level.requests) == 16 and all(r.ok for r in level.requests)
+        firsts = sorted(r.start_s for r in level.requests)[:4]
+        spreads[start] = firsts[-1] - firsts[0]
+        latency = statistics.median_high([r.latency_s for r in phases[-2].requests])
+        assert client.stagger_seconds(replace(base, closed_loop_start=start), load_plan(base)[-1],
+                                      latency) == (latency if start == "staggered" else 0.0)
+    assert spreads["together"] < 0.02
+    assert spreads["staggered"] >= 0.75 * 3 / 4 * 0.08      # 3/4 of a ~80 ms request
+    # single stream and rate levels never stagger
+    assert client.stagger_seconds(replace(base, closed_loop_start="staggered"),
+                                  Level("single_stream", 1, 2), 0.1) == 0.0
+    assert client.stagger_seconds(replace(base, closed_loop_start="staggered"),
+                                  Level("r2", 4, 8, request_rate=2.0), 0.1) == 0.0
 
 
 def test_open_loop_and_failed_share_marks_the_trial():

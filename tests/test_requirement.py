@@ -91,6 +91,13 @@ def test_a_bad_mix_names_its_key():
         study(workload={"length_mix": "normal", "prompt_tokens_mix": [100]})
 
 
+def test_closed_loop_start_is_read_and_a_wrong_one_names_its_key_and_the_choices():
+    assert study().workload.closed_loop_start == "together"
+    assert study(workload={"closed_loop_start": "staggered"}).workload.closed_loop_start == "staggered"
+    with pytest.raises(ConfigError, match="closed_loop_start.*'spread'.*together, staggered"):
+        study(workload={"closed_loop_start": "spread"})
+
+
 def test_a_kv_cache_short_of_the_required_sequences_violates_the_requirement():
     from tuner.records import Capacity, LaunchFailure, LoadMetrics, TrialOutcome
     from tuner.search.space import ServerParams

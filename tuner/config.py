@@ -458,6 +458,9 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
             workload[key] = tuple(sorted(set(float(v) if key == "request_rates" else v
                                              for v in values)))
     _length_mix(workload, source)
+    if workload.get("closed_loop_start", "together") not in CLOSED_LOOP_STARTS:
+        raise _fail(source, "workload.closed_loop_start", f"unknown start {workload['closed_loop_start']!r}",
+                    "choose " + ", ".join(CLOSED_LOOP_STARTS))
     requirement = _take(top.get("requirement", {}), {"context_tokens": int, "sequences_at_context": int},
                         source, "requirement")
     for key, value in requirement.items():
@@ -600,6 +603,9 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         use_memory_model=study.get("memory_model", True), screen=study.get("screen", True),
         tie_tolerance=study.get("tie_tolerance", 0.02), min_roofline_share=min_roofline_share,
     )
+
+
+CLOSED_LOOP_STARTS = ("together", "staggered")
 
 
 def _length_mix(workload: dict, source: str) -> None:

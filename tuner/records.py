@@ -127,6 +127,11 @@ class Workload:
     prompt_tokens_mix: tuple[float, ...] = ()
     output_tokens_mix: tuple[float, ...] = ()
     length_trace: str = ""                 # resolved path of the trace (length_mix = "trace")
+    # How a closed-loop level's slots start. "together": all at once, as `vllm bench serve
+    # --max-concurrency` does; with fixed lengths the level then runs in waves that reach the server
+    # as bursts, and TTFT p50 is a burst's prefill queue. "staggered": slot k starts k/c of a request's
+    # time in (the previous level's median latency), so requests arrive spread over time.
+    closed_loop_start: str = "together"
 
 
 @dataclass(frozen=True)

@@ -285,12 +285,15 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
                     request_rate: float | None = None, seed: int = 0, metrics_poll_s: float | None = None,
                     progress: bool = True, clock: Callable[[], float] = time.perf_counter,
                     endpoint: str = "completions", engine: str | None = None,
-                    min_requests: int | None = None, min_seconds: float = 0.0) -> PhaseResult:
+                    min_requests: int | None = None, min_seconds: float = 0.0,
+                    stagger_s: float = 0.0) -> PhaseResult:
     """Send `payloads` closed-loop at `concurrency`, or open-loop Poisson at `request_rate` (in-flight
     capped at `concurrency`), reading /metrics before, during (gauge peaks) and after.
 
     Closed loop with `min_seconds`: the first `min_requests` payloads are always sent, the rest only
     while the phase has run less than `min_seconds` (a time floor; payloads not sent are dropped).
+    Closed loop with `stagger_s`: worker k of c sends its first request k/c x `stagger_s` in, so the
+    slots do not start (and, with fixed lengths, keep arriving) together.
     """
     url = endpoint_url(base_url, endpoint)
     gauges = set(engines.get(engine).server_gauges)
@@ -328,13 +331,17 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, name: str, pa
     if request_rate is None:
         it = iter(range(len(payloads)))
 
-        async def worker() -> None:
+        workers = min(concurrency, len(payloads))
+
+        async def worker(k: int) -> None:
+            if stagger_s > 0 and k:
+                await asyncio.sleep(k * stagger_s / workers)
             for i in it:  # a shared iterator: each worker takes the next request when it is free
                 if i >= floor and clock() - t0 >= min_seconds:
                     return    # the floors are met: the level drains from here
                 await send(i)
 
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(payloads)))))
+        await asyncio.gather(*(worker(k) for k in range(workers)))
     else:
         rng = random.Random(seed)
         gate = asyncio.Semaphore(concurrency)
@@ -381,6 +388,14 @@ def new_session(concurrency: int, trust_env: bool = False, engine: str | None = 
                                  headers={"Authorization": f"Bearer {key}"} if key else None)
 
 
+def stagger_seconds(w: Workload, lv: Level, typical_latency_s: float | None) -> float:
+    """Over how long a closed-loop level's slots start: a request's time (the previous level's
+    median latency) when the workload staggers them, else 0 (all at once)."""
+    if w.closed_loop_start != "staggered" or lv.request_rate is not None or lv.concurrency < 2:
+        return 0.0
+    return typical_latency_s or 0.0
+
+
 async def run_load_test_async(base_url: str, model: str, workload: Workload,
                               progress: bool = True, engine: str | None = None,
                               alive: Callable[[], bool] | None = None) -> tuple[PhaseResult, ...]:
@@ -414,7 +429,8 @@ async def run_load_test_async(base_url: str, model: str, workload: Workload,
         if alive is not None and not alive():
             break   # the server died: the remaining levels would only count connection errors
         latencies = [r.latency_s for r in phases[-1].requests if r.ok] if phases else []
-        more = requests_to_prepare(lv, statistics.median_high(latencies) if latencies else None) - lv.requests
+        typical = statistics.median_high(latencies) if latencies else None
+        more = requests_to_prepare(lv, typical) - lv.requests
         if more > 0:   # a time floor: prompts for the requests beyond the floor, built before it starts
             run_progress.phase(f"building prompts for {lv.name}")
             extra = extra_lengths(w, lv, more)
@@ -430,7 +446,8 @@ async def run_load_test_async(base_url: str, model: str, workload: Workload,
                                           timeout_s=w.request_timeout_s, request_rate=lv.request_rate,
                                           seed=w.seed, metrics_poll_s=w.metrics_poll_s,
                                           progress=progress, endpoint=w.endpoint, engine=engine,
-                                          min_requests=lv.requests, min_seconds=lv.seconds))
+                                          min_requests=lv.requests, min_seconds=lv.seconds,
+                                          stagger_s=stagger_seconds(w, lv, typical)))
     run_progress.phase("stopping")   # the caller stops the server next
     return tuple(phases)
 
