@@ -10,7 +10,10 @@ mean TTFT, each as mean and coefficient of variation over the rounds.
 
   .venv/bin/python bench/closed_loop_start.py --levels 8,16 --rounds 5      # starts a CPU vLLM (tiny model)
   python3 bench/closed_loop_start.py --base-url URL --model NAME --levels 8,32,128 --rounds 4 \\
-      --prompt-tokens 128 --output-tokens 128 --seconds 10                  # on a GPU server
+      --prompt-tokens 128 --output-tokens 128 --seconds 10 --deadline 400   # on a GPU server
+  CLOSED_LOOP=1 LEVEL_S=10 bash bench/h200_fidelity.sh 4 8,32,128 480      # the GPU machine, one call
+
+--deadline S: no run starts after S seconds; the table covers what was measured by then.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -56,6 +60,7 @@ def main() -> int:
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=8.0, help="each level's time floor")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="the CPU server's (without --base-url)")
+    ap.add_argument("--deadline", type=float, default=None, help="no run starts after this many seconds")
     a = ap.parse_args()
     try:
         levels = [int(x) for x in a.levels.split(",")]
@@ -76,12 +81,15 @@ def main() -> int:
         proc = start_server(port, a.max_num_seqs, log)
         a.base_url, a.model = f"http://127.0.0.1:{port}", str(TINY_MODEL)
     runs: dict[tuple[int, str], list[dict]] = {}
+    t0 = time.monotonic()
     try:
         print("round | level | start | requests | TTFT p50 ms | tok/s | server TTFT mean ms", flush=True)
         for rnd in range(a.rounds):
             for k, c in enumerate(levels):
                 order = STARTS if (rnd + k) % 2 == 0 else STARTS[::-1]
                 for start in order:
+                    if a.deadline is not None and time.monotonic() - t0 > a.deadline:
+                        break
                     w = Workload(prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens,
                                  warmup_requests=4, single_stream_requests=2, levels=(c,),
                                  level_seconds=a.seconds, closed_loop_start=start,

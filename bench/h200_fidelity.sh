@@ -8,6 +8,8 @@
 # DEADLINE: seconds from this script's start after which no run starts (the server's start counts);
 # the table is printed for what was measured by then. PRESET (default llama-3.1-8b), INPUT_LEN / OUTPUT_LEN / NUM_PROMPTS in the
 # environment change the request shape (defaults 128 / 128 / 8); SERVER_ARGS are added to `vllm serve`.
+# CLOSED_LOOP=1 runs bench/closed_loop_start.py instead (slots started together vs staggered, LEVEL_S
+# seconds a level, default 10): $OUT/closed-loop-start.txt.
 set -u
 t0=$(date +%s)
 rounds=${1:-3} levels=${2:-1,8,32,128,256} deadline=${3:-450} waves=${4:-8}
@@ -41,6 +43,16 @@ ready=$(( $(date +%s) - t0 ))
 echo "server ready after $ready s"
 grep -E "max_num_seqs|max_num_batched_tokens|KV cache|Maximum concurrency|vLLM API server version" "$log" | head -6
 
+if [ -n "${CLOSED_LOOP:-}" ]; then   # slots started together vs staggered (bench/closed_loop_start.py)
+    python3 bench/closed_loop_start.py --base-url "http://127.0.0.1:$port" --model "$model" \
+        --levels "$levels" --rounds "$rounds" --prompt-tokens "${INPUT_LEN:-128}" \
+        --output-tokens "${OUTPUT_LEN:-128}" --seconds "${LEVEL_S:-10}" --deadline $(( deadline - ready )) \
+        2> "$OUT/closed-loop-stderr.log" | tee "$OUT/closed-loop-start.txt"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" = 0 ] || { echo "closed_loop_start.py exited with $rc:"; tail -30 "$OUT/closed-loop-stderr.log"; }
+    echo "total $(( $(date +%s) - t0 )) s"
+    exit "$rc"
+fi
 python3 bench/fidelity.py --base-url "http://127.0.0.1:$port" --model "$model" --levels "$levels" \
     --rounds "$rounds" --waves "$waves" --deadline $(( deadline - ready )) --out "$OUT" \
     --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-128}" --num-prompts "${NUM_PROMPTS:-8}" \
