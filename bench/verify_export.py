@@ -165,6 +165,9 @@ def main() -> int:
     claimed = study_levels(study, number)
     print(f"exported config: trial {number}, {int(row['runs'])} launch(es); "
           + report.describe_noise(df.attrs.get("noise")))
+    if cfg.workload.closed_loop_start != "together":
+        print("note: the study staggered its closed-loop slots; vLLM's client starts them together "
+              "(bursts), so its TTFT is not the same measurement; throughput still compares")
     print("level | requests | study tok/s (steady / wall) | vllm bench tok/s | ratio (wall) | "
           "study TTFT p50 ms, all requests (steady state) | vllm bench TTFT p50 ms | ratio | "
           "TTFT mean ms: study / vllm bench | server's own TTFT mean ms: study / vllm bench")

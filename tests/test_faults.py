@@ -263,8 +263,13 @@ def test_real_vllm_killed_tuner_and_killed_server(tmp_path, model):
     killed = {}
 
     def kill_server_mid_load(trial, run):
+        from tuner.run.process import group_members
+
         killed["pgid"] = trial.user_attrs["server_pgid"]
         killed["trial"] = trial.number
+        # what the kill hits, for the failure message: the group's processes and the log so far
+        killed["members"] = group_members(int(killed["pgid"]))
+        killed["log_tail"] = run.server_log(trial)[-1500:]
         os.killpg(int(killed["pgid"]), signal.SIGKILL)
 
     figures, final = fk.kill_chain(run, REAL_KILLS, tmp_path, on_final_load=kill_server_mid_load)
@@ -280,7 +285,10 @@ def test_real_vllm_killed_tuner_and_killed_server(tmp_path, model):
     assert final["reached"] and final["orphans"] == 0 and final["lost_completed"] == 0
     t = load_existing_by(run).trials[killed["trial"]]
     # the server killed mid-load is read from its log: no vLLM failure text, so "crashed" under load
-    assert t.state == TrialState.COMPLETE and t.user_attrs["failure"] == "crashed_under_load"
+    why = (f"killed pgid {killed['pgid']} (members then: {killed['members']}) of trial "
+           f"{killed['trial']}; its attrs now: { {k: t.user_attrs.get(k) for k in ('server_pgid', 'server_port', 'failure', 'died_under_load', 'server_exit_code', 'throughput_tok_s')} }; "
+           f"its log when killed ends: {killed['log_tail']!r}")
+    assert t.state == TrialState.COMPLETE and t.user_attrs.get("failure") == "crashed_under_load", why
     assert t.user_attrs["died_under_load"] == "crashed" and t.user_attrs["server_exit_code"] != 0
     assert t.constraints["launch"] > 0
     # it was launched: its log's phases are attrs (the CPU build logs weights and init engine
