@@ -23,7 +23,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,7 +71,8 @@ def main() -> int:
         ap.error("--base-url and --model go together")
     proc = None
     if a.base_url is None:
-        from fidelity import free_port, start_server, stop_server
+        from fidelity import start_server, stop_server
+        from tuner.run.process import free_port
         from tuner.models.presets import TINY_MODEL
 
         port = free_port()
@@ -94,7 +94,7 @@ def main() -> int:
                                  warmup_requests=4, single_stream_requests=2, levels=(c,),
                                  level_seconds=a.seconds, closed_loop_start=start,
                                  seed=1000 * rnd + 10 * k + STARTS.index(start))
-                    got = one_run(a.base_url, a.model, replace(w))
+                    got = one_run(a.base_url, a.model, w)
                     runs.setdefault((c, start), []).append(got)
                     server = got["server_ttft_ms_mean"]
                     print(f"{rnd} | c{c} | {start} | {got['requests']} | {got['ttft_ms']:.1f} | "
