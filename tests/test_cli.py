@@ -231,3 +231,15 @@ def test_doctor_checks_a_new_sqlite_storage_without_creating_it(tmp_path):
     import optuna
     optuna.create_study(storage=f"sqlite:///{tmp_path / 'old.db'}", study_name="s")
     assert check_storage(f"sqlite:///{tmp_path / 'old.db'}") == "ok"
+
+
+def test_doctor_lists_only_the_contexts_the_study_searches(tmp_path):
+    # the gpu study's space reaches 131072; the 32B preset's limit is 32768, so the run searches up
+    # to 32768 only (one warning), and doctor's per-context lines must show that space, not the file's
+    done = tuner("doctor", "--study", "gpu", "--model", "preset:qwen2.5-32b-awq",
+                 "--memory-budget-gib", "16", "--storage", f"sqlite:///{tmp_path}/d.db",
+                 "--results", str(tmp_path / "results"), cwd=REPO)
+    lengths = [int(ln.split("max-model-len ")[1].split(":")[0]) for ln in done.stdout.splitlines()
+               if "max-model-len " in ln and "KV cache" in ln]
+    assert lengths and max(lengths) == 32768, done.stdout
+    assert done.stderr.count("exceed the model's limit 32768") == 1, done.stderr

@@ -476,12 +476,13 @@ def cmd_doctor(args) -> int:
     except TunerError as e:
         lines.append(f"model      PROBLEM: {e}")
     lines += doctor_gpu_lines(cfg, platform, model, extra)
-    lines += doctor_fit_lines(cfg, platform, model)
     try:
-        checked_config(args)
-        lines.append("values     space and fixed flags within vLLM's ranges and the model's limit")
+        fitted = checked_config(args)   # the space as searched: cut at the model's limit
+        values_line = "values     space and fixed flags within vLLM's ranges and the model's limit"
     except TunerError as e:
-        lines.append(f"values     PROBLEM: {e}")
+        fitted, values_line = cfg, f"values     PROBLEM: {e}"
+    lines += doctor_fit_lines(fitted, platform, model)
+    lines.append(values_line)
     try:
         lines.append(f"storage    {cfg.storage}: {check_storage(cfg.storage)}")
     except TunerError as e:
