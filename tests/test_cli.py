@@ -67,8 +67,9 @@ def test_run_leaves_results_and_prints_the_best_command(study_run):
     # the phases the fake server logs (tests/fake_openai_server.py PHASE_LINES), per trial
     assert (df["launch_weights_s"] == 0.01).all() and (df["launch_compile_s"] == 0.02).all()
     assert (df["launch_graphs_s"] == 0.0).all() and (df["launch_profile_s"] == 0.03).all()
+    assert (df["launch_warmup_s"] == 0.0).all()   # its graph and init lines share a second
     phases = df[["launch_weights_s", "launch_compile_s", "launch_graphs_s", "launch_profile_s",
-                 "launch_other_s"]].sum(axis=1)
+                 "launch_warmup_s", "launch_other_s"]].sum(axis=1)
     assert phases.to_numpy() == pytest.approx(df["launch_s"].to_numpy(), abs=0.02)
     assert (df["launch_other_s"] > 0).all()
 

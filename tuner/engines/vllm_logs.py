@@ -208,8 +208,12 @@ def parse_capacity(log_text: str, metrics_text: str = "", ready_s: float = 0.0) 
 #   [base_loader.py] Initializing model took 0.362401 seconds
 #   [core.py] init engine (profile, create kv cache, warmup model) took 55.52 s
 # "init engine" spans torch.compile, memory profiling, KV cache creation, CUDA graph capture and
-# warmup; the "profile" phase is what is left of it after the compile and graph lines, so phases
-# do not overlap and launch_s minus their sum is the rest (process start, imports, API server).
+# warmup. Two phases come from the lines' timestamps (whole seconds): "engine_start", from the API
+# server's first line to the engine process's first (spawning it and its imports), and "warmup",
+# from the graph line to the init-engine line (0.24 on an H100/H200: 12-19 s, more than the
+# graphs). "profile" is what is left of init engine after compile, graphs and warmup, so phases
+# do not overlap and launch_s minus their sum is the rest (process start and imports of the API
+# server, the engine's device set-up, the API server's start after the engine).
 # On the CPU build "profile" therefore holds the compile its warmup triggers.
 
 _PHASE_WEIGHTS = (
@@ -222,7 +226,11 @@ _PHASE_GRAPHS = re.compile(r"Graph capturing finished in\s*(?P<s>[\d.,]+)\s*secs
 _PHASE_INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took\s*(?P<s>[\d.,]+)\s*s"
                          r"(?:\s*\(compilation:\s*(?P<compile>[\d.,]+)\s*s)?")
 
-LAUNCH_PHASES = ("weights", "compile", "profile", "graphs")   # the keys, in launch order
+_ENGINE_FIRST = re.compile(r"Initializing a V1 LLM engine")
+_API_LINE = re.compile(r"^\(APIServer pid=\d+\) \w+ (?P<ts>\d\d-\d\d \d\d:\d\d:\d\d) ", re.M)
+_STAMP = re.compile(r"^(?:\([^)]*pid=\d+\)\s*)?\w+ (?P<ts>\d\d-\d\d \d\d:\d\d:\d\d) ")
+
+LAUNCH_PHASES = ("engine_start", "weights", "compile", "profile", "graphs", "warmup")   # launch order
 
 
 def _seconds(regexes, text: str) -> float | None:
@@ -232,12 +240,38 @@ def _seconds(regexes, text: str) -> float | None:
     return None
 
 
+def _stamp(text: str, match: re.Match | None) -> float | None:
+    """Seconds since the start of the year of the timestamp on `match`'s line (vLLM prints
+    month-day and time, no year)."""
+    if match is None:
+        return None
+    found = _STAMP.match(_line_at(text, match.start()))
+    return _seconds_of(found["ts"]) if found else None
+
+
+def _seconds_of(ts: str) -> float:
+    import datetime
+
+    return datetime.datetime.strptime("2000-" + ts, "%Y-%m-%d %H:%M:%S").timestamp()
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    """end - start, or None when either is unknown or the order is wrong (a log across New Year)."""
+    return end - start if start is not None and end is not None and end >= start else None
+
+
 def launch_phases(log_text: str) -> dict[str, float]:
-    """Seconds of each launch phase the log names: weights, compile, profile, graphs."""
+    """Seconds of each launch phase the log names: engine_start, weights, compile, profile,
+    graphs, warmup."""
     found = {"weights": _seconds(_PHASE_WEIGHTS, log_text),
              "compile": _seconds([_PHASE_COMPILE], log_text),
              "graphs": _seconds([_PHASE_GRAPHS], log_text)}
+    api = _API_LINE.search(log_text)
+    found["engine_start"] = _between(_seconds_of(api["ts"]) if api else None,
+                                     _stamp(log_text, _ENGINE_FIRST.search(log_text)))
     if (init := _PHASE_INIT.search(log_text)) is not None:
+        found["warmup"] = _between(_stamp(log_text, _PHASE_GRAPHS.search(log_text)), _stamp(log_text, init))
         compile_s = _number(init["compile"]) if init["compile"] else (found["compile"] or 0.0)
-        found["profile"] = max(0.0, _number(init["s"]) - compile_s - (found["graphs"] or 0.0))
+        found["profile"] = max(0.0, _number(init["s"]) - compile_s - (found["graphs"] or 0.0)
+                               - (found["warmup"] or 0.0))
     return {k: round(found[k], 3) for k in LAUNCH_PHASES if found.get(k) is not None}

@@ -382,8 +382,8 @@ def describe_noise(noise: dict | None) -> str:
             "are ties" + ("; `run --confirm 1` relaunches the front to narrow them" if dof < 6 else ""))
 
 
-LAUNCH_PHASE_COLUMNS = ("launch_weights_s", "launch_compile_s", "launch_profile_s", "launch_graphs_s",
-                        "launch_other_s")
+LAUNCH_PHASE_COLUMNS = ("launch_engine_start_s", "launch_weights_s", "launch_compile_s", "launch_profile_s",
+                        "launch_graphs_s", "launch_warmup_s", "launch_other_s")
 
 
 def describe_launch(df: pd.DataFrame) -> str:
