@@ -50,10 +50,12 @@ def test_config_that_fits_starts_and_reports_capacity(tmp_path):
     assert group_members(pgid) == []
     text = Path(server.log_path).read_text()
     assert "KV cache size" in text
-    # the CPU build logs model initialization and init engine (its compile happens in the warmup)
+    # the CPU build logs model initialization and init engine (its compile happens in the warmup),
+    # and its lines' timestamps give the engine process's start
     phases = server.engine.launch_phases(text)
     print(f"launch phases: {phases}")
-    assert set(phases) == {"weights", "profile"}
+    assert set(phases) == {"engine_start", "weights", "profile"}
+    assert phases["engine_start"] >= 0
     assert 0 < phases["weights"] < phases["profile"] and sum(phases.values()) < outcome.ready_s
 
 
