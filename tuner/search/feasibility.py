@@ -435,12 +435,20 @@ class MemoryModel:
                 for o in self.observations if o.overhead_bytes is not None and not o.lower_bound
                 for ro in (self.resolve(o.params),)]
 
+    def _batch_points(self, r: Resolved) -> list[tuple[int, float]]:
+        """(max-num-batched-tokens, residual) of the exact launches of this config's enforce-eager."""
+        return [(ro.max_num_batched_tokens, res) for ro, res in self._exact()
+                if ro.enforce_eager == r.enforce_eager]
+
+    def _fitted(self, r: Resolved) -> bool:
+        """Whether exact launches of this enforce-eager span two or more max-num-batched-tokens."""
+        return len({x for x, _ in self._batch_points(r)}) >= 2
+
     def activation_slope(self, r: Resolved) -> float:
         """Residual bytes per batched token beyond the prior's, fitted over exact launches of the
         same enforce-eager at two or more max-num-batched-tokens; never below minus the prior's
         own slope (the activation peak cannot shrink as the batch grows)."""
-        pts = [(ro.max_num_batched_tokens, res) for ro, res in self._exact()
-               if ro.enforce_eager == r.enforce_eager]
+        pts = self._batch_points(r)
         if len({x for x, _ in pts}) < 2:
             return 0.0
         mx = sum(x for x, _ in pts) / len(pts)
@@ -455,11 +463,6 @@ class MemoryModel:
         scored = [(self._similarity(r, ro), ro, res) for ro, res in exact]
         best = max(sc for sc, _, _ in scored)
         return [(ro, res) for sc, ro, res in scored if sc == best]
-
-    def _fitted(self, r: Resolved) -> bool:
-        """Whether exact launches of this enforce-eager span two or more max-num-batched-tokens."""
-        return len({ro.max_num_batched_tokens for ro, _ in self._exact()
-                    if ro.enforce_eager == r.enforce_eager}) >= 2
 
     def correction_bytes(self, r: Resolved) -> float:
         """Observed minus prior overhead, from the launches most like this config, moved along the
