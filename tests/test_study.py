@@ -88,6 +88,34 @@ def test_resume_reaches_the_requested_count_without_losing_trials(tmp_path):
     assert len(launched) == 7
 
 
+def test_a_resumed_study_refuses_another_load_and_tolerates_a_longer_timeout(tmp_path):
+    from dataclasses import replace
+
+    from tuner.errors import TunerError
+
+    cfg = fake_config(tmp_path)
+    run(cfg, FakeDevice(), 2)
+    # the offered load changed: no new trial may face it beside the old ones
+    for changed in ({"closed_loop_start": "staggered"}, {"prompt_tokens": cfg.workload.prompt_tokens * 2},
+                    {"levels": (2, 8)}):
+        device = FakeDevice()
+        with pytest.raises(TunerError) as err:
+            run(replace(cfg, workload=replace(cfg.workload, **changed)), device, 4)
+        key = next(iter(changed))
+        assert f"{key}: " in str(err.value) and "--name" in str(err.value)
+        assert device.launches == []
+    # how long the client waits is not the load: the study goes on
+    device = FakeDevice()
+    run(replace(cfg, workload=replace(cfg.workload, request_timeout_s=999.0)), device, 4)
+    assert len(device.launches) == 2
+    # a study that launched nothing yet takes the new workload
+    fresh = fake_config(tmp_path / "fresh")
+    (tmp_path / "fresh").mkdir()
+    Tuner(fresh, measure=FakeDevice(), platform=FAKE_PLATFORM, progress=False).open()
+    run(replace(fresh, workload=replace(fresh.workload, closed_loop_start="staggered")), FakeDevice(), 1)
+    assert load_existing(fresh).user_attrs["config"]["workload"]["closed_loop_start"] == "staggered"
+
+
 def test_interrupted_trial_is_failed_and_its_config_measured_on_resume(tmp_path):
     cfg = fake_config(tmp_path)
     device = FakeDevice(interrupt_at=3)

@@ -202,11 +202,28 @@ class Tuner:
             if not study.user_attrs.get("config"):
                 study.set_user_attr("config", study_summary(self.cfg, self.model, self.extra_args))
                 self.enqueue_baselines(study)
+            else:
+                self.check_same_workload(study)
         self.study = study
         self.recover_interrupted(study)
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             self.observe(t)
         return study
+
+    def check_same_workload(self, study: optuna.Study) -> None:
+        """A resumed study must offer every config the load its trials were measured under: a
+        changed [workload] is refused once anything was launched (before, the new one is kept)."""
+        stored = study.user_attrs.get("config") or {}
+        changes = workload_changes(stored.get("workload") or {}, asdict(self.cfg.workload))
+        if not changes:
+            return
+        if self.launched_count(study) == 0:
+            study.set_user_attr("config", study_summary(self.cfg, self.model, self.extra_args))
+            return
+        raise TunerError(
+            f"study {self.cfg.name} was measured under another [workload] ({'; '.join(changes)}): "
+            "every config of a study faces the same load. Keep the study's [workload], or run the "
+            "new one as a new study (--name NEW, or another [study] name)")
 
     def vllm_defaults(self) -> tuple[dict, str]:
         """What this vLLM uses on this device with the tuned flags absent, and where that came from."""
@@ -836,6 +853,23 @@ def _alive(pid) -> bool:
 
     cmdline = _cmdline(int(pid))
     return "tuner" in cmdline or not cmdline
+
+
+# [workload] keys a resumed study may change: how long the client waits, what it samples and how
+# many failed requests a level tolerates, not the load a config faces or how its figures are defined
+RESUME_TOLERANT = frozenset({"request_timeout_s", "metrics_poll_s", "max_failed_share"})
+
+
+def workload_changes(stored: dict, now: dict) -> list[str]:
+    """'key: then, now' for each [workload] value that differs from what a study stored when it
+    began (keys it did not store, from an older tuner, are not compared; a trace by its file name,
+    since a checkout elsewhere resolves it to another path)."""
+    def norm(key, value):
+        value = json.loads(json.dumps(value))
+        return Path(value).name if key == "length_trace" and value else value
+
+    return [f"{k}: {stored[k]!r} then, {now[k]!r} now" for k in now
+            if k in stored and k not in RESUME_TOLERANT and norm(k, stored[k]) != norm(k, now[k])]
 
 
 def study_summary(cfg: StudyConfig, model: str, extra_args: tuple[str, ...]) -> dict:
