@@ -109,6 +109,21 @@ def test_a_console_script_runs_as_main_after_its_imports_and_the_engines_are_don
     assert len(marks(tmp_path)) == 1
 
 
+def test_modules_named_in_the_environment_are_imported_ahead_too(standin, monkeypatch):
+    tmp_path, env, _ = standin
+    (tmp_path / "standin_more.py").write_text(
+        "import os\nopen(os.environ['MARKS'] + '.more', 'a').write(f'{os.getpid()}\\n')\n")
+    monkeypatch.setenv(spare.ENV_IMPORTS, " standin_more , ,")
+    cmd = (sys.executable, "-m", "standin_server")
+    spare.prepare(cmd, env)
+    spare.wait_imported(timeout_s=60)
+    more = tmp_path / "marks.more"
+    assert more.exists() and more.read_text().split() == marks(tmp_path)   # by the spare, once
+    proc, _ = spare.take(cmd, env, [*cmd, "--port", "5"], str(tmp_path / "server.log"))
+    assert proc.wait(timeout=60) == 3
+    assert more.read_text().split() == [str(proc.pid)]
+
+
 def test_no_spare_serves_another_command_or_environment(standin):
     tmp_path, env, _ = standin
     cmd = (sys.executable, "-m", "standin_server")

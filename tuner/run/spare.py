@@ -96,6 +96,10 @@ else:
 '''
 
 ENV_SWITCH = "TUNER_WARM_START"   # "0": every launch starts cold
+# Comma-separated modules every spare imports too (an experiment's knob, e.g. the modules vLLM's
+# forked engine core imports after the fork; one that initialises CUDA makes vLLM spawn instead,
+# which its log says as "We must use the `spawn` multiprocessing start method").
+ENV_IMPORTS = "TUNER_WARM_IMPORTS"
 _enabled = False
 _lock = threading.Lock()
 
@@ -192,6 +196,8 @@ def prepare(engine_cmd: tuple[str, ...], env: dict[str, str], extra_imports: tup
         discard()
         interpreter, kind, target, prefix = entry
         extra = extra_imports if kind == "script" else ()   # a module names its own imports
+        # and what the user adds: modules the engine's child processes import after a fork
+        extra += tuple(m.strip() for m in os.environ.get(ENV_IMPORTS, "").split(",") if m.strip())
         fd, ready_path = tempfile.mkstemp(prefix="tuner-spare-", suffix=".ready")
         os.close(fd)
         os.unlink(ready_path)
