@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import re
 from dataclasses import dataclass
 
@@ -209,7 +210,7 @@ def parse_capacity(log_text: str, metrics_text: str = "", ready_s: float = 0.0) 
 #   [core.py] init engine (profile, create kv cache, warmup model) took 55.52 s
 # "init engine" spans torch.compile, memory profiling, KV cache creation, CUDA graph capture and
 # warmup. Two phases come from the lines' timestamps (whole seconds): "engine_start", from the API
-# server's first line to the engine process's first (spawning it and its imports), and "warmup",
+# server's first line to the engine process's first (starting it and its imports), and "warmup",
 # from the graph line to the init-engine line (0.24 on an H100/H200: 12-19 s, more than the
 # graphs). "profile" is what is left of init engine after compile, graphs and warmup, so phases
 # do not overlap and launch_s minus their sum is the rest (process start and imports of the API
@@ -227,7 +228,7 @@ _PHASE_INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\
                          r"(?:\s*\(compilation:\s*(?P<compile>[\d.,]+)\s*s)?")
 
 _ENGINE_FIRST = re.compile(r"Initializing a V1 LLM engine")
-_API_LINE = re.compile(r"^\(APIServer pid=\d+\) \w+ (?P<ts>\d\d-\d\d \d\d:\d\d:\d\d) ", re.M)
+_API_LINE = re.compile(r"^\(APIServer pid=\d+\) \w+ \d\d-\d\d \d\d:\d\d:\d\d ", re.M)
 _STAMP = re.compile(r"^(?:\([^)]*pid=\d+\)\s*)?\w+ (?P<ts>\d\d-\d\d \d\d:\d\d:\d\d) ")
 
 LAUNCH_PHASES = ("engine_start", "weights", "compile", "profile", "graphs", "warmup")   # launch order
@@ -241,18 +242,14 @@ def _seconds(regexes, text: str) -> float | None:
 
 
 def _stamp(text: str, match: re.Match | None) -> float | None:
-    """Seconds since the start of the year of the timestamp on `match`'s line (vLLM prints
-    month-day and time, no year)."""
+    """The timestamp on `match`'s line, in seconds; vLLM prints month-day and time with no year, so
+    every stamp is read as of one fixed year (only differences between stamps mean anything)."""
     if match is None:
         return None
     found = _STAMP.match(_line_at(text, match.start()))
-    return _seconds_of(found["ts"]) if found else None
-
-
-def _seconds_of(ts: str) -> float:
-    import datetime
-
-    return datetime.datetime.strptime("2000-" + ts, "%Y-%m-%d %H:%M:%S").timestamp()
+    if found is None:
+        return None
+    return datetime.datetime.strptime("2000-" + found["ts"], "%Y-%m-%d %H:%M:%S").timestamp()
 
 
 def _between(start: float | None, end: float | None) -> float | None:
@@ -266,8 +263,7 @@ def launch_phases(log_text: str) -> dict[str, float]:
     found = {"weights": _seconds(_PHASE_WEIGHTS, log_text),
              "compile": _seconds([_PHASE_COMPILE], log_text),
              "graphs": _seconds([_PHASE_GRAPHS], log_text)}
-    api = _API_LINE.search(log_text)
-    found["engine_start"] = _between(_seconds_of(api["ts"]) if api else None,
+    found["engine_start"] = _between(_stamp(log_text, _API_LINE.search(log_text)),
                                      _stamp(log_text, _ENGINE_FIRST.search(log_text)))
     if (init := _PHASE_INIT.search(log_text)) is not None:
         found["warmup"] = _between(_stamp(log_text, _PHASE_GRAPHS.search(log_text)), _stamp(log_text, init))
