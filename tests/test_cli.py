@@ -147,13 +147,15 @@ def test_doctor_says_which_contexts_start_before_any_launch():
     per_length = [ln for ln in text.splitlines() if "max-model-len " in ln]
     assert len(per_length) == 2 and all("does not start" in ln for ln in per_length)
     assert "max-model-len 4096: KV cache ~0 tokens" in text
+    # a problem, so `doctor` exits 1 (it counts lines with " PROBLEM: ")
+    assert "PROBLEM: no context of the space starts: longest ~0 tokens" in text
     # more gmu cannot help: the hint names what can
     assert "raise gmu" not in text
     assert "the weights on the device, ~17.4 GiB, fill the 14.5 GiB share" in text
     assert "add cpu_offload_gb to [space]" in text
     # with up to 8 GiB offloaded a 4k context starts and a 32k one does not
     text = fits("qwen2.5-32b-awq", [0, 8])
-    assert "cpu-offload 8 GiB" in text
+    assert "cpu-offload 8 GiB" in text and "PROBLEM" not in text
     line = {ln.split(":")[0].strip(): ln for ln in text.splitlines()[1:]}
     assert line["max-model-len 4096"].endswith(("starts", "starts (uncertain)"))
     assert "does not start" in line["max-model-len 32768"]

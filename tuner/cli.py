@@ -570,9 +570,15 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
         lines.append(f"           max-model-len {pred.max_model_len}: KV cache ~{pred.kv_cache_tokens:,} "
                      f"tokens, {pred.max_concurrency:.1f} requests of that length at once; "
                      f"{verdict}{' (uncertain)' if pred.uncertain else ''}")
-    if longest is not None:
+    # Nothing starts, and by more than the model's margin of error: doctor exits 1 before the user
+    # spends a launch on it (within the margin, uncalibrated, it is a line, not a problem).
+    clearly_none = longest is not None and longest <= 0 and pred.kv_budget_gib < -pred.band_gib
+    if longest is not None and not clearly_none:
         lines.append(f"           longest context that starts: ~{max(0, longest):,} tokens"
                      + ("" if longest > 0 else f" ({_nothing_starts_hint(pred, platform.kind, dims)})"))
+    elif clearly_none:
+        lines.append(f"           PROBLEM: no context of the space starts: longest ~0 tokens "
+                     f"({_nothing_starts_hint(pred, platform.kind, dims)})")
     req = cfg.requirement
     if req.context_tokens and req.sequences_at_context:
         # the KV cache at the most memory the space gives, with the shortest context that serves it
