@@ -10,6 +10,12 @@ ratio (warm / cold).
 
     .venv/bin/python bench/warm_start.py [--rounds 2] [--launches 3] [--model DIR|preset:NAME]
         [--gmu 0.1 --max-model-len 2048 --max-num-seqs 4] [--extra-args "--dtype float16"]
+
+--imports MOD[,MOD]: compare warm starts without and with those modules imported ahead by every
+spare (TUNER_WARM_IMPORTS), instead of cold against warm; e.g. `--imports vllm.v1.engine.core`,
+what vLLM's engine-core process imports after it starts. Every launch's phases from its log
+(engine_start, weights, compile, profile, graphs, warmup) are printed beside its seconds to ready,
+and the table gives the median engine_start of each side.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import os  # noqa: E402
+
+from tuner.engines.vllm_logs import launch_phases  # noqa: E402
 from tuner.models.presets import TINY_MODEL, preset_folder  # noqa: E402
 from tuner.run import spare  # noqa: E402
 from tuner.run.process import LaunchFailure, LaunchSpec, ServerProcess  # noqa: E402
@@ -33,7 +42,8 @@ from tuner.search.space import ServerParams  # noqa: E402
 
 
 def launch_once(spec: LaunchSpec) -> tuple[float, bool]:
-    """Seconds until ready, and whether a spare served; one short request proves it serves."""
+    """Seconds until ready, and whether a spare served; one short request proves it serves. The
+    launch's phases from its log are in spec.log_path (read them with launch_phases)."""
     t0 = time.monotonic()
     with ServerProcess(spec) as server:
         server.start()
@@ -49,19 +59,26 @@ def launch_once(spec: LaunchSpec) -> tuple[float, bool]:
         return ready_s, server.warm_imported_s is not None
 
 
-def run(spec: LaunchSpec, warm: bool, launches: int, log_dir: Path) -> tuple[list[float], float]:
+def run(spec: LaunchSpec, warm: bool, launches: int, log_dir: Path, imports: str = "",
+        label: str = "") -> tuple[list[float], float, list[dict]]:
+    """One run of launches: seconds to ready of each, the run's wall-clock, and each launch's
+    phases from its log. `imports` is TUNER_WARM_IMPORTS for the spares of this run."""
+    label = label or ("warm" if warm else "cold")
+    os.environ[spare.ENV_IMPORTS] = imports
     spare.enable(warm)
     t0 = time.monotonic()
-    seconds = []
+    seconds, phases = [], []
     for i in range(launches):
-        s, served_warm = launch_once(LaunchSpec(**{**spec.__dict__,
-                                                   "log_path": str(log_dir / f"{'warm' if warm else 'cold'}-{time.time():.0f}-{i}.log")}))
+        log_path = log_dir / f"{label}-{time.time():.0f}-{i}.log"
+        s, served_warm = launch_once(LaunchSpec(**{**spec.__dict__, "log_path": str(log_path)}))
         assert served_warm == (warm and i > 0), (warm, i, served_warm)
         seconds.append(s)
-        print(f"  {'warm' if warm else 'cold'} launch {i + 1}: ready after {s:.1f} s"
-              + (" (spare)" if served_warm else ""), flush=True)
+        phases.append(launch_phases(log_path.read_text(errors="replace")))
+        print(f"  {label} launch {i + 1}: ready after {s:.1f} s" + (" (spare)" if served_warm else "")
+              + "; " + " ".join(f"{k} {v:.1f}" for k, v in phases[-1].items()), flush=True)
     spare.discard()
-    return seconds, time.monotonic() - t0
+    os.environ.pop(spare.ENV_IMPORTS, None)
+    return seconds, time.monotonic() - t0, phases
 
 
 def main() -> int:
@@ -73,6 +90,8 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--extra-args", default="")
+    ap.add_argument("--imports", default="", metavar="MOD[,MOD]",
+                    help="compare warm starts without and with these modules imported by every spare")
     args = ap.parse_args()
     if args.launches < 2:
         ap.error("--launches must be at least 2 (a warm run's first launch is cold)")
@@ -84,22 +103,30 @@ def main() -> int:
     print(f"warm-up launch (not counted); logs in {log_dir}", flush=True)
     spare.enable(False)
     print(f"  ready after {launch_once(LaunchSpec(**{**spec.__dict__, 'log_path': str(log_dir / 'warmup.log')}))[0]:.1f} s")
-    later = {True: [], False: []}
-    totals = {True: [], False: []}
+    # The two sides: (label, warm, TUNER_WARM_IMPORTS); cold vs warm, or warm vs warm + imports.
+    sides = ([("warm", True, ""), ("warm+imports", True, args.imports)] if args.imports
+             else [("cold", False, ""), ("warm", True, "")])
+    later = {label: [] for label, _, _ in sides}
+    engine_start = {label: [] for label, _, _ in sides}
+    totals = {label: [] for label, _, _ in sides}
     for r in range(args.rounds):
-        for warm in ((False, True) if r % 2 == 0 else (True, False)):
-            seconds, total = run(spec, warm, args.launches, log_dir)
-            later[warm] += seconds[1:]
-            totals[warm].append(total)
-    print(f"\n{args.rounds} rounds x {args.launches} launches, model {Path(str(model)).name}")
-    print("| start | launches after the first: median ready s (min-max) | run of launches: median wall s |")
-    print("| --- | --- | --- |")
-    for warm in (False, True):
-        xs = later[warm]
-        print(f"| {'warm' if warm else 'cold'} | {statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f}) "
-              f"| {statistics.median(totals[warm]):.1f} |")
-    print(f"ratio warm / cold: later launches {statistics.median(later[True]) / statistics.median(later[False]):.3f}, "
-          f"whole run {statistics.median(totals[True]) / statistics.median(totals[False]):.3f}")
+        for label, warm, imports in (sides if r % 2 == 0 else sides[::-1]):
+            seconds, total, phases = run(spec, warm, args.launches, log_dir, imports, label)
+            later[label] += seconds[1:]
+            engine_start[label] += [p["engine_start"] for p in phases[1:] if "engine_start" in p]
+            totals[label].append(total)
+    print(f"\n{args.rounds} rounds x {args.launches} launches, model {Path(str(model)).name}"
+          + (f", imports ahead: {args.imports}" if args.imports else ""))
+    print("| start | launches after the first: median ready s (min-max) | median engine_start s "
+          "| run of launches: median wall s |")
+    print("| --- | --- | --- | --- |")
+    for label, _, _ in sides:
+        xs, es = later[label], engine_start[label]
+        print(f"| {label} | {statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f}) "
+              f"| {statistics.median(es) if es else float('nan'):.1f} | {statistics.median(totals[label]):.1f} |")
+    (a, _, _), (b, _, _) = sides
+    print(f"ratio {b} / {a}: later launches {statistics.median(later[b]) / statistics.median(later[a]):.3f}, "
+          f"whole run {statistics.median(totals[b]) / statistics.median(totals[a]):.3f}")
     return 0
 
 
