@@ -256,9 +256,10 @@ class TableDevice:
     """A `measure` that answers from the table and follows the hypervolume of what it launched."""
 
     def __init__(self, table: GridTable, target_hv: float | None, objectives=OBJECTIVES,
-                 log_ttft: bool = True):
+                 log_ttft: bool = True, stop: bool = True):
         self.table = table
         self.target_hv = target_hv
+        self.stop = stop            # raise Reached at the target (else note it and go on)
         self.point = normaliser(table, objectives, log_ttft)
         self.launches: list[tuple] = []
         self.points: list[tuple] = []
@@ -274,10 +275,12 @@ class TableDevice:
         self.elapsed_s += (row.get("launch_s") or 0.0) + (row.get("load_s") or 0.0)
         if self.table.feasible(key):
             self.points.append(self.point(self.table.rows[key]))
-        if self.target_hv is not None and hypervolume(self.points) >= self.target_hv - 1e-12:
+        if self.target_hv is not None and self.reached_at is None \
+                and hypervolume(self.points) >= self.target_hv - 1e-12:
             self.reached_at = len(self.launches)
             self.reached_s = self.elapsed_s
-            raise Reached("target hypervolume reached")
+            if self.stop:
+                raise Reached("target hypervolume reached")
         return outcome
 
 
@@ -308,33 +311,39 @@ class RunResult:
     dominated: list = field(default_factory=list)   # keys the screen skipped (predicted_dominated)
     reached_s: float | None = None   # the recorded seconds of the launches until the target
     wasted: int = 0                  # launches that failed (their config could not serve)
+    # with --patience: where the tuner stopped by itself, and the share of the grid's volume then
+    stopped_s: float | None = None
+    hv_share: float | None = None
 
 
 def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
            max_launches: int | None = None, stop_at_target: bool = True,
            study_path: Path = STUDY, objectives=OBJECTIVES, screen: bool = False,
-           log_ttft: bool = True, within_noise: bool = False) -> RunResult:
+           log_ttft: bool = True, within_noise: bool = False, patience: int = 0) -> RunResult:
     """One tuning run of `sampler` against the table, in a throwaway storage. A table recorded
     with its noise (grid-levels: `<table>.noise.json`) answers each launch with its mean times that
     noise, and the tuner replicates its baselines as a study does; the hypervolume is taken on the
-    table's means (what each launched config is, not what one launch of it read)."""
+    table's means (what each launched config is, not what one launch of it read). With `patience`
+    the tuner runs until its own early stop (or the whole grid) and the target is only noted."""
     from optuna.trial import TrialState
 
     point = normaliser(table, objectives, log_ttft)
     grid = [table.rows[k] for k in table.rows if table.feasible(k)]
+    full_hv = hypervolume([point(row) for row in grid])   # the share at a stop is of this one
     if within_noise:   # the target: what the grid holds up to one launch-to-launch CV per objective
         grid = [worse_by_noise(row, table.noise) for row in grid]
     grid_hv = hypervolume([point(row) for row in grid])
     if table.noise:
         table = replace(table, rng=random.Random(f"replay:{seed}"))
-    device = TableDevice(table, HV_SHARE * grid_hv if stop_at_target else None, objectives, log_ttft)
+    device = TableDevice(table, HV_SHARE * grid_hv if stop_at_target or patience else None, objectives,
+                         log_ttft, stop=stop_at_target and not patience)
     budget = max_launches or len(table.rows)
     with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
         cfg = load_study(study_path, {"storage": f"sqlite:///{tmp}/replay.db",
                                       "results_dir": tmp, "sampler": sampler, "seed": seed})
         # without the recording's noise a replicate launch would replay the same figures
         cfg = replace(cfg, use_memory_model=memory_model, screen=screen,
-                      replicates=cfg.replicates if table.noise else 0)
+                      replicates=cfg.replicates if table.noise else 0, patience=patience)
         tuner = ReplayTuner(cfg, table, device)
         with contextlib.redirect_stderr(io.StringIO()):
             try:
@@ -349,7 +358,8 @@ def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
                      if t.user_attrs.get("failure") == "predicted_dominated"]
     wasted = sum(1 for k in device.launches[:device.reached_at] if table.rows[k]["failure"])
     return RunResult(sampler, seed, device.launches, device.reached_at, kinds, skipped, dominated,
-                     device.reached_s, wasted)
+                     device.reached_s, wasted, stopped_s=device.elapsed_s,
+                     hv_share=hypervolume(device.points) / full_hv if full_hv else None)
 
 
 def worse_by_noise(row: dict, noise: dict) -> dict:
@@ -421,6 +431,24 @@ def record(results_dirs: list[Path], out: Path) -> None:
         print(f"wrote {out.with_suffix('.noise.json')}")
 
 
+def print_patience(name: str, runs: list[RunResult], n: int, patience: int) -> None:
+    """Where the tuner stopped by itself, per seed and as medians: launches, recorded
+    wall-clock, the share of the grid's volume its launched configs hold, and the target."""
+    stopped = [len(r.launches) for r in runs]
+    shares = [r.hv_share or 0.0 for r in runs]
+    reached = [r.reached_at for r in runs if r.reached_at is not None]
+    for r in runs:
+        print(f"    seed {r.seed}: stopped after {len(r.launches)} launches "
+              f"({(r.stopped_s or 0) / 60:.1f} min), volume {r.hv_share or 0:.1%} of the grid's"
+              + (f", target reached at launch {r.reached_at}" if r.reached_at else ", target not reached"))
+    print(f"{name:>6}, patience {patience}: stopped after median {statistics.median(stopped):g} "
+          f"launches ({statistics.median(stopped) / n:.0%} of {n}), {spread(stopped)}; recorded "
+          f"wall-clock median {statistics.median([(r.stopped_s or 0) / 60 for r in runs]):.1f} min; "
+          f"volume at the stop median {statistics.median(shares):.1%} (lowest {min(shares):.1%}); "
+          f"the {HV_SHARE:.0%} target reached before the stop in {len(reached)}/{len(runs)} seeds",
+          flush=True)
+
+
 def load_table(path: str | None) -> GridTable:
     if path == "synthetic":
         return synthetic_table()
@@ -456,6 +484,10 @@ def main(argv=None) -> int:
     ap.add_argument("--linear-ttft", action="store_true", help="TTFT on a linear scale in the volume")
     ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES,
                     help="score the hypervolume on these (the tuner still optimises all three)")
+    ap.add_argument("--patience", type=int, default=0, metavar="N",
+                    help="run each seed until the tuner's own early stop (N launches without a "
+                         "change of its front beyond the noise) and report where it stopped: "
+                         "launches, wall-clock, the share of the grid's volume then")
     ap.add_argument("--record", metavar="RESULTS_DIR", nargs="+",
                     help="write the table from grid runs' results folders and stop")
     args = ap.parse_args(argv)
@@ -484,8 +516,11 @@ def main(argv=None) -> int:
         seeds = args.gp_seeds if name == "gp" else args.seeds
         runs = [replay(table, name, seed, memory_model, objectives=tuple(args.objectives),
                        study_path=args.study, screen=args.screen, log_ttft=not args.linear_ttft,
-                       within_noise=args.within_noise)
+                       within_noise=args.within_noise, patience=args.patience)
                 for seed in range(seeds)]
+        if args.patience:
+            print_patience(name, runs, n, args.patience)
+            continue
         needed = [r.reached_at if r.reached_at is not None else math.inf for r in runs]
         reached = [x for x in needed if x != math.inf]
         med = statistics.median(needed)

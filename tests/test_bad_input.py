@@ -123,6 +123,7 @@ def test_out_of_range_space(tmp_path, model, dim, spec, words):
     ("server", "launch_timeout_s", 0.0, ["server.launch_timeout_s", "> 0"]),
     ("server", "extra_args", ["--api-key", "sk-123"], ["server.extra_args", "VLLM_API_KEY"]),
     ("study", "name", "my study", ["study.name", "letters"]),
+    ("study", "patience", -3, ["study.patience", ">= 0"]),
     ("slo", "min_roofline_share", 1.5, ["slo.min_roofline_share", "[0, 1)", "1.5"]),
     ("slo", "min_roofline_share", -0.1, ["slo.min_roofline_share", "[0, 1)"]),
 ])
@@ -210,6 +211,7 @@ def test_results_folder_of_another_study(tmp_path, model):
     (["--launch-timeout", "soon"], ["--launch-timeout", "invalid float"]),
     (["--memory-budget-gib", "-16"], ["memory_budget_gib", "> 0"]),
     (["--name", "a/b"], ["study.name"]),
+    (["--patience", "-1"], ["study.patience", ">= 0"]),
 ])
 def test_bad_command_line_values(tmp_path, model, args, words):
     p = run_cli(tmp_path, fk.to_toml(good_doc(tmp_path, model)), args)

@@ -683,3 +683,55 @@ def test_a_study_whose_every_launch_failed_says_why_it_has_no_front(tmp_path, ca
     assert "Empty DataFrame" not in said
     assert report.describe_empty_front(df.iloc[0:0]) == ("Pareto set: none yet (no trial has "
                                                          "been measured)")
+
+
+def test_front_changed_counts_news_beyond_the_noise_only():
+    df = pd.DataFrame({
+        "trial": [0, 1, 2, 3], "state": ["COMPLETE"] * 4, "feasible": [True] * 4, "runs": [1] * 4,
+        "single_stream_tok_s": [100.0, 50.0, 99.0, 40.0],
+        "throughput_tok_s": [1000.0, 2000.0, 1005.0, 3000.0], "ttft_ms": [50.0, 80.0, 50.5, 120.0]})
+    df["pareto"] = [True, True, True, False]
+    # trial 2 joined the front within 2 % of trial 0 on every objective: the same front
+    assert not report.front_changed(df, {0, 1}, 0.02)
+    # a member beyond the tolerance on one objective is news
+    df.loc[3, "pareto"] = True
+    assert report.front_changed(df, {0, 1, 2}, 0.02)
+    # a member that left the front is news
+    df["pareto"] = [True, False, True, True]
+    assert report.front_changed(df, {0, 1, 2, 3}, 0.02)
+    # measured launch-to-launch noise widens the ties: with a 30 % CV trial 3 (40 / 3000 / 120)
+    # is within the noise of trial 1 (50 / 2000 / 80) on every objective, with 5 % it is not
+    df["pareto"] = [True, True, False, True]
+    for cv, news in ((0.3, False), (0.05, True)):
+        df.attrs["noise"] = {k: {"cv": cv, "dof": 8}
+                             for k in ("single_stream_tok_s", "throughput_tok_s", "ttft_ms")}
+        assert report.front_changed(df, {0, 1}, 0.02) == news, cv
+
+
+def test_patience_stops_once_the_front_stops_changing_and_a_rerun_keeps_the_count(tmp_path, capsys):
+    # the fake's figures depend on max-num-seqs alone: the front is one config of each of 1, 4
+    # and 16 sequences (64 is beaten by 16), and every later launch only ties one of them
+    cfg = fake_config(tmp_path, patience=3, screen=False)
+    device = FakeDevice()
+    study = run(cfg, device, 40)
+    launched = len(device.launches)
+    assert launched < 40
+    assert "stopping: the last 3 launches did not change the Pareto front" in capsys.readouterr().err
+    watch = study.user_attrs["front_watch"]
+    assert watch["changed_at"] == launched - 3
+    df = report.trials_frame(study)
+    assert sorted(watch["front"]) == sorted(int(n) for n in df[df["pareto"]]["trial"])
+    # configs of one size tie (all of them are on the front), and 64 sequences are beaten by 16
+    sizes = [int(study.trials[n].params["max_num_seqs"]) for n in watch["front"]]
+    assert set(sizes) <= {1, 4, 16} and len(sizes) > len(set(sizes))
+    # the launches after the last change only met sizes measured before it (ties, or 64)
+    before = {p.max_num_seqs for p in device.launches[:watch["changed_at"]]}
+    assert {p.max_num_seqs for p in device.launches[watch["changed_at"]:]} <= before | {64}
+    # the same command again launches nothing: the count was kept in the study
+    again = FakeDevice()
+    run(cfg, again, 40)
+    assert again.launches == []
+    # patience off: it searches on
+    more = FakeDevice()
+    run(fake_config(tmp_path, patience=0, screen=False), more, launched + 2)
+    assert len(more.launches) == 2

@@ -67,7 +67,7 @@ def add_study_options(p: argparse.ArgumentParser, tuning: bool = True) -> None:
 
 def overrides(args: argparse.Namespace) -> dict:
     keys = ("name", "storage", "results_dir", "model", "host", "launch_timeout_s",
-            "memory_budget_gib", "sampler", "seed", "confirm", "replicates")
+            "memory_budget_gib", "sampler", "seed", "confirm", "replicates", "patience")
     out = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "engine", None):
         out["engine"] = args.engine
@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "  python -m tuner run --trials 40\n"
                   "  python -m tuner run --study studies/h200.toml --trials 12 --confirm 2\n"
                   "  python -m tuner run --study studies/gpu.toml --trials 40 --time-limit 120\n"
+                  "  python -m tuner run --study studies/gpu.toml --trials 40 --patience 8\n"
                   "  python -m tuner run --trials 40 --sampler random --name demo-random\n"
                   "  python -m tuner run --study studies/gpu.toml --trials 40 --gpus 0,1,2,3\n"
                   "  python -m tuner run --trials 40 --parallel 2 --storage postgresql://tuner@db/tuner\n"
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--time-limit", dest="time_limit", type=positive_minutes, metavar="MIN",
                      help="start no launch that would end after MIN minutes, judged by this "
                           "study's median launch; then stop with everything kept (run again to go on)")
+    run.add_argument("--patience", type=int, metavar="N",
+                     help="stop early once N launches in a row have not changed the Pareto front "
+                          "beyond the measured noise (default 0: off; [study] patience)")
     run.add_argument("--quiet", action="store_true", help="no live load-test lines")
     g = run.add_argument_group("many workers on one study")
     g.add_argument("--parallel", type=positive_int, metavar="N",

@@ -97,6 +97,7 @@ class StudyConfig:
     seed: int | None = None
     confirm: int = 0                          # relaunch each front member K times at the end
     replicates: int = 2                       # relaunch each baseline this often: the measured noise
+    patience: int = 0                         # stop once this many launches left the front unchanged (0: off)
     gpu_busy_wait_s: float = 120.0            # wait this long for a busy GPU, then skip the config
     use_memory_model: bool = True
     # skip a config whose best possible figures, read off launches already measured, are beaten
@@ -436,7 +437,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
                 source, "")
     study = _take(top.get("study", {}), {
         "name": str, "storage": str, "results_dir": str, "sampler": str, "seed": int,
-        "confirm": int, "replicates": int, "memory_model": bool, "screen": bool,
+        "confirm": int, "replicates": int, "patience": int, "memory_model": bool, "screen": bool,
         "tie_tolerance": float}, source, "study")
     model = _take(top.get("model", {}), {"path": str}, source, "model")
     server = _take(top.get("server", {}), {
@@ -585,6 +586,9 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     replicates = overrides.get("replicates", study.get("replicates", 2))
     if replicates < 0:
         raise _fail(source, "study.replicates", f"must be >= 0, got {replicates}")
+    patience = overrides.get("patience", study.get("patience", 0))
+    if patience < 0:
+        raise _fail(source, "study.patience", f"must be >= 0, got {patience}")
     busy_wait = server.get("gpu_busy_wait_s", 120.0)
     if busy_wait < 0:
         raise _fail(source, "server.gpu_busy_wait_s", f"must be >= 0, got {busy_wait}")
@@ -599,7 +603,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         storage=overrides.get("storage") or study.get("storage") or default_storage(name),
         results_dir=overrides.get("results_dir") or study.get("results_dir", "results"),
         sampler=sampler, seed=overrides.get("seed", study.get("seed")), confirm=confirm,
-        replicates=replicates, gpu_busy_wait_s=busy_wait,
+        replicates=replicates, patience=patience, gpu_busy_wait_s=busy_wait,
         use_memory_model=study.get("memory_model", True), screen=study.get("screen", True),
         tie_tolerance=study.get("tie_tolerance", 0.02), min_roofline_share=min_roofline_share,
     )

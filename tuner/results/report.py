@@ -153,6 +153,27 @@ def pareto_mask(df: pd.DataFrame, tie_tolerance: float, noise: dict | None = Non
     return pd.Series([i in front for i in df.index], index=df.index)
 
 
+def front_changed(df: pd.DataFrame, previous: set[int], tie_tolerance: float) -> bool:
+    """Whether the front of `df` (its "pareto" column) differs beyond the noise from the trials
+    `previous`: a member of it left the front, or a new member ties none of the members that
+    stayed on every objective (a config within the noise of one already there adds no news)."""
+    rows = {int(df.at[i, "trial"]): i for i in df.index[df["pareto"].astype(bool)]}
+    if set(previous) - set(rows):
+        return True
+    noise = df.attrs.get("noise")
+
+    def runs(i) -> int:
+        return int(df.at[i, "runs"]) if "runs" in df.columns and pd.notna(df.at[i, "runs"]) else 1
+
+    def ties(a, b) -> bool:
+        return all(abs(float(df.at[a, k]) - float(df.at[b, k]))
+                   <= tie_margin(k, float(df.at[a, k]), float(df.at[b, k]), runs(a), runs(b),
+                                 noise, tie_tolerance) for k in OBJECTIVES)
+
+    stayed = [rows[n] for n in previous]
+    return any(not any(ties(rows[n], old) for old in stayed) for n in set(rows) - set(previous))
+
+
 def outcome(row) -> str:
     """pareto | dominated | infeasible | failed, for plotting."""
     if row["state"] != "COMPLETE":

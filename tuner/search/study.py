@@ -147,6 +147,7 @@ class Tuner:
         self.report_at_end = report_at_end
         self.stop_by: float | None = None   # --time-limit: no launch that would end after this
         self.said_out_of_time = False
+        self.said_out_of_patience = False
         self.platform = platform or detect_platform(cfg)
         self.model, self.extra_args = resolve_model(cfg)
         real = measure is None
@@ -680,7 +681,7 @@ class Tuner:
                 if not self.worker:   # replicates and confirmations: by worker 0 alone
                     self.replicate_baselines(study)
                 launched = self.launched_count(study)
-                if launched >= n_trials or self.out_of_time(study):
+                if launched >= n_trials or self.out_of_time(study) or self.out_of_patience(study):
                     break
                 if self.shared and launched + len(self.in_flight(study)) >= n_trials:
                     time.sleep(WAIT_POLL_S)   # the launches in flight fill it, unless one dies
@@ -688,7 +689,9 @@ class Tuner:
                 kind = self.run_trial(study, n_trials, started)
                 if kind == "budget_spent":
                     continue
-                report.write_trials(study, self.cfg)
+                df = report.write_trials(study, self.cfg)
+                if kind not in SKIPPED_KINDS:
+                    self.watch_front(study, df)
                 errors_in_a_row = errors_in_a_row + 1 if kind == "tuner_error" else 0
                 busy_in_a_row = busy_in_a_row + 1 if kind == "gpu_busy" else 0
                 if errors_in_a_row >= MAX_TUNER_ERRORS_IN_A_ROW:
@@ -716,6 +719,35 @@ class Tuner:
         if self.report_at_end:
             report.write_all(study, self.cfg)
         return study
+
+    def watch_front(self, study: optuna.Study, df) -> None:
+        """After a launch: note in the study (so a resumed run counts on) the front, and the
+        launch count when it last changed beyond the noise."""
+        from tuner.results import report
+
+        front = sorted(int(n) for n in df[df["pareto"].astype(bool)]["trial"])
+        watch = study.user_attrs.get("front_watch")
+        changed_at = self.launched_count(study)
+        if watch is not None and not report.front_changed(df, set(watch["front"]), self.cfg.tie_tolerance):
+            changed_at = watch["changed_at"]   # new members, if any, tie one that stayed
+        study.set_user_attr("front_watch", {"front": front, "changed_at": changed_at})
+
+    def out_of_patience(self, study: optuna.Study) -> bool:
+        """True when `patience` is set and that many launches in a row have not changed the front
+        beyond the noise. Said once, with how to go on."""
+        watch = study.user_attrs.get("front_watch")
+        if not self.cfg.patience or watch is None or not watch["front"]:
+            return False
+        launched = self.launched_count(study)
+        still = launched - watch["changed_at"]
+        if still < self.cfg.patience:
+            return False
+        if not self.said_out_of_patience:
+            self.said_out_of_patience = True
+            log(f"stopping: the last {still} launches did not change the Pareto front beyond the "
+                f"measured noise (patience {self.cfg.patience}, {launched} launched); everything is "
+                "kept: run again with a larger --patience, or --patience 0, to search on")
+        return True
 
     def replicate_baselines(self, study: optuna.Study) -> None:
         """Launch each measured baseline `replicates` more times: the launch-to-launch noise that
