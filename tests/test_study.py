@@ -719,6 +719,9 @@ def test_patience_stops_once_the_front_stops_changing_and_a_rerun_keeps_the_coun
     assert "stopping: the last 3 launches did not change the Pareto front" in capsys.readouterr().err
     watch = study.user_attrs["front_watch"]
     assert watch["changed_at"] == launched - 3
+    # `show` and the run's summary say how long the front has held
+    assert f"unchanged beyond the noise for the last 3 of {launched} launches" in \
+        report.describe_front_watch(study)
     df = report.trials_frame(study)
     assert sorted(watch["front"]) == sorted(int(n) for n in df[df["pareto"]]["trial"])
     # configs of one size tie (all of them are on the front), and 64 sequences are beaten by 16

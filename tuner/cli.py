@@ -335,6 +335,8 @@ def print_summary(study, cfg) -> None:
     if len(front):
         print(f"Pareto set ({len(front)} configs):", file=sys.stderr)
         print(report.table(front), file=sys.stderr)
+        if held := report.describe_front_watch(study):
+            print(held, file=sys.stderr)
     else:
         print(report.describe_empty_front(df), file=sys.stderr)
     print(f"results: {cfg.results_path}/ (trials.csv, pareto.csv, levels.csv, noise.json, "
@@ -382,6 +384,8 @@ def cmd_show(args) -> int:
         print(launch)
     if len(front):
         print(f"Pareto set: trials {', '.join(str(int(t)) for t in front['trial'])}")
+        if held := report.describe_front_watch(study):
+            print(held)
     else:
         print(report.describe_empty_front(df))
     return 0

@@ -407,6 +407,21 @@ LAUNCH_PHASE_COLUMNS = ("launch_engine_start_s", "launch_weights_s", "launch_com
                         "launch_graphs_s", "launch_warmup_s", "launch_other_s")
 
 
+def describe_front_watch(study) -> str:
+    """One line on how long the front has held (what --patience counts), "" before any record."""
+    from optuna.trial import TrialState
+
+    from tuner.search.study import launched_count
+
+    watch = study.user_attrs.get("front_watch")
+    if not watch or not watch.get("front"):
+        return ""
+    launched = launched_count(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)))
+    still = max(0, launched - int(watch["changed_at"]))
+    return (f"front: unchanged beyond the noise for the last {still} of {launched} launches "
+            f"(last changed by launch {watch['changed_at']}; --patience N stops after N)")
+
+
 def describe_launch(df: pd.DataFrame) -> str:
     """One line on where launch time goes: the median launch and the median of each logged phase."""
     if "launch_s" not in df.columns or df["launch_s"].dropna().empty:

@@ -371,14 +371,9 @@ class Tuner:
     # -- counting
 
     def launched_count(self, study: optuna.Study, trials: list[FrozenTrial] | None = None) -> int:
-        """Launches so far: finished trials that were not skipped, and trials that hit a tuner error
-        (they count, so a deterministic fault cannot relaunch servers forever)."""
         if trials is None:
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
-        return sum(1 for t in trials
-                   if (t.state == TrialState.COMPLETE and t.user_attrs.get("failure")
-                       not in SKIPPED_KINDS) or (t.state == TrialState.FAIL and
-                                                 t.user_attrs.get("failure") == "tuner_error"))
+        return launched_count(trials)
 
     def in_flight(self, study: optuna.Study, trials: list[FrozenTrial] | None = None,
                   but: int | None = None) -> list[FrozenTrial]:
@@ -850,6 +845,15 @@ class Tuner:
             for number in todo:
                 self.relaunch(study, number, "confirm", self.cfg.confirm)
                 confirmed.add(number)
+
+
+def launched_count(trials: list[FrozenTrial]) -> int:
+    """Launches among `trials`: finished trials that were not skipped, and trials that hit a tuner
+    error (they count, so a deterministic fault cannot relaunch servers forever)."""
+    return sum(1 for t in trials
+               if (t.state == TrialState.COMPLETE and t.user_attrs.get("failure")
+                   not in SKIPPED_KINDS) or (t.state == TrialState.FAIL and
+                                             t.user_attrs.get("failure") == "tuner_error"))
 
 
 def launch_seconds(trials: list[FrozenTrial]) -> float | None:
