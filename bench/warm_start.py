@@ -90,6 +90,8 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--extra-args", default="")
+    ap.add_argument("--skip-warmup", action="store_true",
+                    help="no uncounted first launch (each run's first launch is uncounted anyway)")
     ap.add_argument("--imports", default="", metavar="MOD[,MOD]",
                     help="compare warm starts without and with these modules imported by every spare")
     args = ap.parse_args()
@@ -100,9 +102,10 @@ def main() -> int:
         gpu_memory_utilization=args.gmu, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),
         extra_args=("--load-format", "dummy", *shlex.split(args.extra_args)), launch_timeout_s=900)
     log_dir = Path(tempfile.mkdtemp(prefix="warm-start-"))
-    print(f"warm-up launch (not counted); logs in {log_dir}", flush=True)
     spare.enable(False)
-    print(f"  ready after {launch_once(LaunchSpec(**{**spec.__dict__, 'log_path': str(log_dir / 'warmup.log')}))[0]:.1f} s")
+    if not args.skip_warmup:
+        print(f"warm-up launch (not counted); logs in {log_dir}", flush=True)
+        print(f"  ready after {launch_once(LaunchSpec(**{**spec.__dict__, 'log_path': str(log_dir / 'warmup.log')}))[0]:.1f} s")
     # The two sides: (label, warm, TUNER_WARM_IMPORTS); cold vs warm, or warm vs warm + imports.
     sides = ([("warm", True, ""), ("warm+imports", True, args.imports)] if args.imports
              else [("cold", False, ""), ("warm", True, "")])
