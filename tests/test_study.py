@@ -716,7 +716,11 @@ def test_patience_stops_once_the_front_stops_changing_and_a_rerun_keeps_the_coun
     study = run(cfg, device, 40)
     launched = len(device.launches)
     assert launched < 40
-    assert "stopping: the last 3 launches did not change the Pareto front" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "stopping: the last 3 launches did not change the Pareto front" in err
+    # each launch says how near the stop is
+    assert "front: changed (stops after 3 unchanged)" in err
+    assert err.count("front: unchanged for 3 (stops after 3 unchanged)") == 1
     watch = study.user_attrs["front_watch"]
     assert watch["changed_at"] == launched - 3
     # `show` and the run's summary say how long the front has held

@@ -726,6 +726,10 @@ class Tuner:
         if watch is not None and not report.front_changed(df, set(watch["front"]), self.cfg.tie_tolerance):
             changed_at = watch["changed_at"]   # new members, if any, tie one that stayed
         study.set_user_attr("front_watch", {"front": front, "changed_at": changed_at})
+        if self.cfg.patience and front:   # how near the early stop is, after each launch
+            still = self.launched_count(study) - changed_at
+            log(f"  front: {'changed' if still == 0 else f'unchanged for {still}'} "
+                f"(stops after {self.cfg.patience} unchanged)")
 
     def out_of_patience(self, study: optuna.Study) -> bool:
         """True when `patience` is set and that many launches in a row have not changed the front
