@@ -42,6 +42,8 @@ from tuner.run.process import Capacity, LaunchFailure  # noqa: E402
 from tuner.run.measure import TrialOutcome  # noqa: E402
 from tuner.load.metrics import LoadMetrics  # noqa: E402
 from tuner.records import LevelMetrics  # noqa: E402
+from tuner.noise import tie_margin  # noqa: E402
+from tuner.results import report  # noqa: E402
 from tuner.search.study import Platform, Tuner  # noqa: E402
 
 STUDY = REPO / "bench" / "grid.toml"
@@ -314,6 +316,9 @@ class RunResult:
     # with --patience: where the tuner stopped by itself, and the share of the grid's volume then
     stopped_s: float | None = None
     hv_share: float | None = None
+    front: list = field(default_factory=list)    # the study's own front: objective means and runs
+    noise: dict = field(default_factory=dict)    # the study's measured noise
+    tie_tolerance: float = 0.02
 
 
 def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
@@ -356,10 +361,28 @@ def replay(table: GridTable, sampler: str, seed: int, memory_model: bool,
                    if t.user_attrs.get("failure") == "predicted_infeasible"]
         dominated = [key_of(t.params) for t in trials
                      if t.user_attrs.get("failure") == "predicted_dominated"]
+        frame = report.trials_frame(study, cfg.tie_tolerance)   # the study's own front, as it read it
+        front = [{**{o: float(r[o]) for o in OBJECTIVES}, "runs": int(r["runs"]) if pd.notna(r["runs"]) else 1}
+                 for _, r in frame[frame["pareto"]].iterrows()]
     wasted = sum(1 for k in device.launches[:device.reached_at] if table.rows[k]["failure"])
     return RunResult(sampler, seed, device.launches, device.reached_at, kinds, skipped, dominated,
                      device.reached_s, wasted, stopped_s=device.elapsed_s,
-                     hv_share=hypervolume(device.points) / full_hv if full_hv else None)
+                     hv_share=hypervolume(device.points) / full_hv if full_hv else None,
+                     front=front, noise=frame.attrs.get("noise") or {}, tie_tolerance=cfg.tie_tolerance)
+
+
+def front_covered(final: RunResult, stopped: RunResult) -> bool:
+    """Whether the front a study stopped with equals, within the noise, the front it has at the
+    end of the full run: every member of the final front is matched by a stopped-front member
+    nowhere worse beyond the noise margin (the final run's measured noise and ties)."""
+    def as_good(s: dict, f: dict) -> bool:
+        for o in OBJECTIVES:
+            gain = (s[o] - f[o]) if MAXIMIZE[o] else (f[o] - s[o])
+            if gain < -tie_margin(o, s[o], f[o], s["runs"], f["runs"], final.noise, final.tie_tolerance):
+                return False
+        return True
+
+    return bool(stopped.front) and all(any(as_good(s, f) for s in stopped.front) for f in final.front)
 
 
 def worse_by_noise(row: dict, noise: dict) -> dict:
@@ -431,22 +454,29 @@ def record(results_dirs: list[Path], out: Path) -> None:
         print(f"wrote {out.with_suffix('.noise.json')}")
 
 
-def print_patience(name: str, runs: list[RunResult], n: int, patience: int) -> None:
+def print_patience(name: str, runs: list[RunResult], n: int, patience: int,
+                   full: list[RunResult]) -> None:
     """Where the tuner stopped by itself, per seed and as medians: launches, recorded
-    wall-clock, the share of the grid's volume its launched configs hold, and the target."""
+    wall-clock, the share of the grid's volume its launched configs hold, the target, and whether
+    its front then equals (within the noise) the front the same seed ends the whole grid with."""
     stopped = [len(r.launches) for r in runs]
+    same = [front_covered(f, r) for r, f in zip(runs, full)]
     shares = [r.hv_share or 0.0 for r in runs]
     reached = [r.reached_at for r in runs if r.reached_at is not None]
-    for r in runs:
+    for r, f, ok in zip(runs, full, same):
         print(f"    seed {r.seed}: stopped after {len(r.launches)} launches "
               f"({(r.stopped_s or 0) / 60:.1f} min), volume {r.hv_share or 0:.1%} of the grid's"
-              + (f", target reached at launch {r.reached_at}" if r.reached_at else ", target not reached"))
+              + (f", target reached at launch {r.reached_at}" if r.reached_at else ", target not reached")
+              + f"; its front {'equals' if ok else 'misses'} the one it ends with after "
+              f"{len(f.launches)} launches ({(f.stopped_s or 0) / 60:.1f} min), within the noise")
     print(f"{name:>6}, patience {patience}: stopped after median {statistics.median(stopped):g} "
           f"launches ({statistics.median(stopped) / n:.0%} of {n}), {spread(stopped)}; recorded "
           f"wall-clock median {statistics.median([(r.stopped_s or 0) / 60 for r in runs]):.1f} min; "
           f"volume at the stop median {statistics.median(shares):.1%} (lowest {min(shares):.1%}); "
-          f"the {HV_SHARE:.0%} target reached before the stop in {len(reached)}/{len(runs)} seeds",
-          flush=True)
+          f"the {HV_SHARE:.0%} target reached before the stop in {len(reached)}/{len(runs)} seeds; "
+          f"front equal within the noise to the whole grid's run in {sum(same)}/{len(runs)} seeds "
+          f"(which took median {statistics.median([len(f.launches) for f in full]):g} launches, "
+          f"{statistics.median([(f.stopped_s or 0) / 60 for f in full]):.1f} min)", flush=True)
 
 
 def load_table(path: str | None) -> GridTable:
@@ -519,7 +549,11 @@ def main(argv=None) -> int:
                        within_noise=args.within_noise, patience=args.patience)
                 for seed in range(seeds)]
         if args.patience:
-            print_patience(name, runs, n, args.patience)
+            # the same seeds without the stop, over the whole grid: the front each study ends with
+            full = [replay(table, name, seed, memory_model, objectives=tuple(args.objectives),
+                           study_path=args.study, screen=args.screen, log_ttft=not args.linear_ttft,
+                           stop_at_target=False) for seed in range(seeds)]
+            print_patience(name, runs, n, args.patience, full)
             continue
         needed = [r.reached_at if r.reached_at is not None else math.inf for r in runs]
         reached = [x for x in needed if x != math.inf]
