@@ -42,7 +42,6 @@ from tuner.run.process import Capacity, LaunchFailure  # noqa: E402
 from tuner.run.measure import TrialOutcome  # noqa: E402
 from tuner.load.metrics import LoadMetrics  # noqa: E402
 from tuner.records import LevelMetrics  # noqa: E402
-from tuner.noise import tie_margin  # noqa: E402
 from tuner.results import report  # noqa: E402
 from tuner.search.study import Platform, Tuner  # noqa: E402
 
@@ -376,11 +375,8 @@ def front_covered(final: RunResult, stopped: RunResult) -> bool:
     end of the full run: every member of the final front is matched by a stopped-front member
     nowhere worse beyond the noise margin (the final run's measured noise and ties)."""
     def as_good(s: dict, f: dict) -> bool:
-        for o in OBJECTIVES:
-            gain = (s[o] - f[o]) if MAXIMIZE[o] else (f[o] - s[o])
-            if gain < -tie_margin(o, s[o], f[o], s["runs"], f["runs"], final.noise, final.tie_tolerance):
-                return False
-        return True
+        return all(gain >= -margin for gain, margin in report.objective_gains(
+            s, f, s["runs"], f["runs"], final.noise, final.tie_tolerance))
 
     return bool(stopped.front) and all(any(as_good(s, f) for s in stopped.front) for f in final.front)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -31,8 +32,6 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import os  # noqa: E402
 
 from tuner.engines.vllm_logs import launch_phases  # noqa: E402
 from tuner.models.presets import TINY_MODEL, preset_folder  # noqa: E402

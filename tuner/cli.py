@@ -581,12 +581,12 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
     # Nothing starts, and by more than the model's margin of error: doctor exits 1 before the user
     # spends a launch on it (within the margin, uncalibrated, it is a line, not a problem).
     clearly_none = longest is not None and longest <= 0 and pred.kv_budget_gib < -pred.band_gib
-    if longest is not None and not clearly_none:
-        lines.append(f"           longest context that starts: ~{max(0, longest):,} tokens"
-                     + ("" if longest > 0 else f" ({_nothing_starts_hint(pred, platform.kind, dims)})"))
-    elif clearly_none:
+    if clearly_none:
         lines.append(f"           PROBLEM: no context of the space starts: longest ~0 tokens "
                      f"({_nothing_starts_hint(pred, platform.kind, dims)})")
+    elif longest is not None:
+        lines.append(f"           longest context that starts: ~{max(0, longest):,} tokens"
+                     + ("" if longest > 0 else f" ({_nothing_starts_hint(pred, platform.kind, dims)})"))
     req = cfg.requirement
     if req.context_tokens and req.sequences_at_context:
         # the KV cache at the most memory the space gives, with the shortest context that serves it

@@ -130,27 +130,30 @@ def pareto_mask(df: pd.DataFrame, tie_tolerance: float, noise: dict | None = Non
     if "relaunch_failed" in df.columns:
         feasible &= df["relaunch_failed"].fillna("") == ""
     idx = list(df.index[feasible])
-    vals = {i: [float(df.at[i, k]) for k in OBJECTIVES] for i in idx}
+    vals = {i: {k: float(df.at[i, k]) for k in OBJECTIVES} for i in idx}
     runs = {i: int(df.at[i, "runs"]) if "runs" in df.columns and pd.notna(df.at[i, "runs"]) else 1
             for i in idx}
 
     def dominates(a: int, b: int) -> bool:
-        strictly = False
-        for j, k in enumerate(OBJECTIVES):
-            gain = vals[a][j] - vals[b][j]
-            if not MAXIMIZE[k]:
-                gain = -gain
-            margin = tie_margin(k, vals[a][j], vals[b][j], runs[a], runs[b], noise, tie_tolerance)
-            if gain < -margin:
-                return False
-            if gain > margin or (margin == 0 and gain > 0):
-                strictly = True
-        return strictly
+        gains = objective_gains(vals[a], vals[b], runs[a], runs[b], noise, tie_tolerance)
+        return all(gain >= -margin for gain, margin in gains) and \
+            any(gain > margin or (margin == 0 and gain > 0) for gain, margin in gains)
 
     front = {i for i in idx if not any(dominates(o, i) for o in idx if o != i)}
     if idx and not front:  # ties can in rare cases dominate in a cycle: fall back to the strict front
         return pareto_mask(df, 0.0, None)
     return pd.Series([i in front for i in df.index], index=df.index)
+
+
+def objective_gains(a: dict, b: dict, runs_a: int, runs_b: int, noise: dict | None,
+                    tie_tolerance: float) -> list[tuple[float, float]]:
+    """Per objective: how much better config a's mean is than b's (positive = better, whichever
+    way the objective points), and the margin within which that difference is a tie."""
+    out = []
+    for k in OBJECTIVES:
+        gain = a[k] - b[k] if MAXIMIZE[k] else b[k] - a[k]
+        out.append((gain, tie_margin(k, a[k], b[k], runs_a, runs_b, noise, tie_tolerance)))
+    return out
 
 
 def front_changed(df: pd.DataFrame, previous: set[int], tie_tolerance: float) -> bool:
@@ -166,9 +169,9 @@ def front_changed(df: pd.DataFrame, previous: set[int], tie_tolerance: float) ->
         return int(df.at[i, "runs"]) if "runs" in df.columns and pd.notna(df.at[i, "runs"]) else 1
 
     def ties(a, b) -> bool:
-        return all(abs(float(df.at[a, k]) - float(df.at[b, k]))
-                   <= tie_margin(k, float(df.at[a, k]), float(df.at[b, k]), runs(a), runs(b),
-                                 noise, tie_tolerance) for k in OBJECTIVES)
+        values = [{k: float(df.at[i, k]) for k in OBJECTIVES} for i in (a, b)]
+        return all(abs(gain) <= margin for gain, margin
+                   in objective_gains(*values, runs(a), runs(b), noise, tie_tolerance))
 
     stayed = [rows[n] for n in previous]
     return any(not any(ties(rows[n], old) for old in stayed) for n in set(rows) - set(previous))

@@ -371,6 +371,7 @@ class Tuner:
     # -- counting
 
     def launched_count(self, study: optuna.Study, trials: list[FrozenTrial] | None = None) -> int:
+        """Launches so far (see the module's launched_count), of `trials` or the study's."""
         if trials is None:
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
         return launched_count(trials)
@@ -676,7 +677,7 @@ class Tuner:
                 if not self.worker:   # replicates and confirmations: by worker 0 alone
                     self.replicate_baselines(study)
                 launched = self.launched_count(study)
-                if launched >= n_trials or self.out_of_time(study) or self.out_of_patience(study):
+                if launched >= n_trials or self.out_of_time(study) or self.out_of_patience(study, launched):
                     break
                 if self.shared and launched + len(self.in_flight(study)) >= n_trials:
                     time.sleep(WAIT_POLL_S)   # the launches in flight fill it, unless one dies
@@ -722,22 +723,21 @@ class Tuner:
 
         front = sorted(int(n) for n in df[df["pareto"].astype(bool)]["trial"])
         watch = study.user_attrs.get("front_watch")
-        changed_at = self.launched_count(study)
+        launched = changed_at = self.launched_count(study)
         if watch is not None and not report.front_changed(df, set(watch["front"]), self.cfg.tie_tolerance):
             changed_at = watch["changed_at"]   # new members, if any, tie one that stayed
         study.set_user_attr("front_watch", {"front": front, "changed_at": changed_at})
         if self.cfg.patience and front:   # how near the early stop is, after each launch
-            still = self.launched_count(study) - changed_at
+            still = launched - changed_at
             log(f"  front: {'changed' if still == 0 else f'unchanged for {still}'} "
                 f"(stops after {self.cfg.patience} unchanged)")
 
-    def out_of_patience(self, study: optuna.Study) -> bool:
-        """True when `patience` is set and that many launches in a row have not changed the front
-        beyond the noise. Said once, with how to go on."""
+    def out_of_patience(self, study: optuna.Study, launched: int) -> bool:
+        """True when `patience` is set and that many of the study's `launched` launches in a row
+        have not changed the front beyond the noise. Said once, with how to go on."""
         watch = study.user_attrs.get("front_watch")
         if not self.cfg.patience or watch is None or not watch["front"]:
             return False
-        launched = self.launched_count(study)
         still = launched - watch["changed_at"]
         if still < self.cfg.patience:
             return False
