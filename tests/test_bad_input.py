@@ -126,6 +126,10 @@ def test_out_of_range_space(tmp_path, model, dim, spec, words):
     ("study", "patience", -3, ["study.patience", ">= 0"]),
     ("slo", "min_roofline_share", 1.5, ["slo.min_roofline_share", "[0, 1)", "1.5"]),
     ("slo", "min_roofline_share", -0.1, ["slo.min_roofline_share", "[0, 1)"]),
+    ("workload", "max_failed_share", 1.5, ["workload.max_failed_share", "below 1", "1.5"]),
+    ("server", "memory_budget_gib", float("nan"), ["server.memory_budget_gib", "finite", "nan"]),
+    ("workload", "request_timeout_s", float("inf"), ["workload.request_timeout_s", "finite"]),
+    ("study", "seed", 2**32, ["study.seed", "2**32 - 1"]),
 ])
 def test_out_of_range_values(tmp_path, model, table, key, value, words):
     doc = with_(good_doc(tmp_path, model), table, **{key: value})
@@ -208,10 +212,14 @@ def test_results_folder_of_another_study(tmp_path, model):
     (["--trials", "many"], ["--trials", "whole number"]),
     (["--sampler", "magic"], ["--sampler", "invalid choice"]),
     (["--launch-timeout", "0"], ["launch_timeout_s", "> 0"]),
-    (["--launch-timeout", "soon"], ["--launch-timeout", "invalid float"]),
+    (["--launch-timeout", "soon"], ["--launch-timeout", "expected a number", "soon"]),
     (["--memory-budget-gib", "-16"], ["memory_budget_gib", "> 0"]),
     (["--name", "a/b"], ["study.name"]),
     (["--patience", "-1"], ["study.patience", ">= 0"]),
+    (["--memory-budget-gib", "nan"], ["--memory-budget-gib", "finite", "'nan'"]),
+    (["--seed", "-1"], ["--seed", "0 or more"]),
+    (["--first-worker", "-1"], ["--first-worker", "0 or more"]),
+    (["--host", "999.1.1.1"], ["--host 999.1.1.1", "resolves"]),
 ])
 def test_bad_command_line_values(tmp_path, model, args, words):
     p = run_cli(tmp_path, fk.to_toml(good_doc(tmp_path, model)), args)
@@ -265,7 +273,7 @@ def test_a_good_measure_launches(tmp_path, model):
     ({"gpu_memory_utilization": "1.7"}, ["--gpu-memory-utilization", "1.7", "(0, 1]"]),
     ({"gpu_memory_utilization": "0"}, ["--gpu-memory-utilization", "(0, 1]"]),
     ({"gpu_memory_utilization": "-0.5"}, ["-0.5", "(0, 1]"]),
-    ({"gpu_memory_utilization": "nan"}, ["nan", "(0, 1]"]),
+    ({"gpu_memory_utilization": "nan"}, ["--gpu-memory-utilization", "'nan'", "finite"]),
     ({"gpu_memory_utilization": "lots"}, ["--gpu-memory-utilization", "lots"]),
     ({"max_model_len": "1000000"}, ["--max-model-len", "1000000", "1..32768",
                                     "max_position_embeddings"]),
@@ -273,8 +281,9 @@ def test_a_good_measure_launches(tmp_path, model):
     ({"max_num_seqs": "0"}, ["--max-num-seqs", "at least 1"]),
     ({"kv_cache_dtype": "fp9"}, ["--kv-cache-dtype", "'fp9'", "fp8_e5m2"]),
     ({"cpu_offload_gb": "-2"}, ["--cpu-offload-gb", "-2", "[0, inf)"]),
-    ({"cpu_offload_gb": "inf"}, ["--cpu-offload-gb", "inf", "[0, inf)"]),
-    ({"cpu_offload_gb": "some"}, ["--cpu-offload-gb", "invalid float", "'some'"]),
+    ({"cpu_offload_gb": "inf"}, ["--cpu-offload-gb", "'inf'", "finite"]),
+    ({"max_model_len": "8"}, ["max_model_len 8 <", "8 + 4 tokens per request", "refused for length"]),
+    ({"cpu_offload_gb": "some"}, ["--cpu-offload-gb", "expected a number", "'some'"]),
     ({"max_num_batched_tokens": "1"}, ["--max-num-batched-tokens", "max_num_batched_tokens 1",
                                        "max_num_seqs 2"]),
 ])

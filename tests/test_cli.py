@@ -246,3 +246,28 @@ def test_doctor_lists_only_the_contexts_the_study_searches(tmp_path):
                if "max-model-len " in ln and "KV cache" in ln]
     assert lengths and max(lengths) == 32768, done.stdout
     assert done.stderr.count("exceed the model's limit 32768") == 1, done.stderr
+
+
+def test_doctor_says_when_the_space_s_contexts_cannot_hold_the_workload_s_requests():
+    # every request of 60,000 + 32 tokens is over each context of the space: a PROBLEM (exit 1);
+    # 2,000 + 32 is over the shortest only: one line, those configs skipped without a launch
+    from tuner.cli import doctor_workload_lines
+    from tuner.config import parse_study
+
+    def lines(prompt: int, **space) -> list[str]:
+        cfg = parse_study({"model": {"path": "preset:tiny"},
+                           "space": {"gpu_memory_utilization": {"low": 0.04, "high": 0.2, "step": 0.01},
+                                     "max_model_len": {"choices": [1024, 2048, 4096, 32768]},
+                                     "max_num_seqs": {"choices": [1, 32]}, **space},
+                           "workload": {"prompt_tokens": prompt, "output_tokens": 32}}, "s.toml", {})
+        return doctor_workload_lines(cfg)
+
+    none = lines(60000)
+    assert len(none) == 1 and "PROBLEM" in none[0] and "32,768" in none[0], none
+    assert "60000 + 32 tokens per request" in none[0]
+    some = lines(2000)
+    assert len(some) == 1 and "PROBLEM" not in some[0], some
+    assert "max_model_len 1,024 is below" in some[0] and "skipped without a launch" in some[0]
+    some = lines(3000)
+    assert "max_model_len 2,048 and below" in some[0], some
+    assert lines(500) == []

@@ -115,11 +115,13 @@ def test_differing_workloads_are_warned_about_in_one_line(work):
     assert (work / "mixed" / "compare.csv").exists() and (work / "mixed" / "compare.png").exists()
 
 
-@pytest.mark.parametrize("studies", [("fake-vllm.toml",), ("fake-vllm.toml", "missing.toml"),
-                                     ("fake-vllm.toml", "never-run.toml")],
-                         ids=["one-study", "missing-file", "no-stored-trials"])
-def test_bad_input_is_one_line_and_exit_2(work, studies):
-    args = [a for s in studies for a in ("--study", s)]
+@pytest.mark.parametrize("studies,out", [
+    (("fake-vllm.toml",), None), (("fake-vllm.toml", "missing.toml"), None),
+    (("fake-vllm.toml", "never-run.toml"), None), (("fake-vllm.toml", "fake-vllm.toml"), None),
+    (("fake-vllm.toml", "fake-other.toml"), "/proc/no-such/out")],
+    ids=["one-study", "missing-file", "no-stored-trials", "the-same-study-twice", "unwritable-out"])
+def test_bad_input_is_one_line_and_exit_2(work, studies, out):
+    args = [a for s in studies for a in ("--study", s)] + (["--out", out] if out else [])
     done = tuner(work, "compare", *args)
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("tuner: error:")

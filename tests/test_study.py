@@ -286,6 +286,22 @@ def test_balanced_export_ignores_objectives_whose_front_spread_is_noise():
     assert export.balanced_objectives(front, None, 0.0) == list(report.OBJECTIVES)
 
 
+def test_balanced_weighs_relative_losses_so_two_members_do_not_tie_by_construction():
+    # the h200-16gb front: half the throughput to save 8 % of TTFT. Min-max scaling gave each of two
+    # members exactly 1 and the lower trial number won; the log-ratio loss picks trial 4
+    front = pd.DataFrame({"trial": [1, 4], "runs": [1, 1],
+                          "single_stream_tok_s": [371.0, 370.4],
+                          "throughput_tok_s": [2667.2, 5206.5], "ttft_ms": [49.2, 53.3]})
+    noise = {k: {"cv": 0.01, "dof": 4, "configs": 2} for k in report.OBJECTIVES}
+    assert int(export.preferred(front, "balanced", noise)["trial"]) == 4
+    # the other way round: 5 % more throughput for twice the TTFT loses
+    front["throughput_tok_s"], front["ttft_ms"] = [5000.0, 5250.0], [50.0, 100.0]
+    assert int(export.preferred(front, "balanced", noise)["trial"]) == 1
+    # an exact tie on the summed losses goes to the higher throughput, not the lower trial number
+    front["throughput_tok_s"], front["ttft_ms"] = [2000.0, 4000.0], [50.0, 100.0]
+    assert int(export.preferred(front, "balanced", noise)["trial"]) == 4
+
+
 def test_ties_widen_by_students_t_when_the_noise_rests_on_few_replicates():
     assert noise_module.noise_z(2) == pytest.approx(4.30) and noise_module.noise_z(5) == pytest.approx(2.57)
     assert noise_module.noise_z(11) == noise_module.noise_z(10) and noise_module.noise_z(500) == pytest.approx(1.96)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import dataclasses
 import os
 import signal
@@ -58,9 +59,9 @@ def add_study_options(p: argparse.ArgumentParser, tuning: bool = True) -> None:
                    help="command that starts vLLM, e.g. '/opt/venv/bin/vllm serve' "
                         "(default: `vllm serve`, else python -m vllm.entrypoints.openai.api_server)")
     g.add_argument("--host", help="address the server binds (default 127.0.0.1)")
-    g.add_argument("--launch-timeout", dest="launch_timeout_s", type=float, metavar="S",
+    g.add_argument("--launch-timeout", dest="launch_timeout_s", type=finite_float, metavar="S",
                    help="seconds a launch may take before it counts as startup_timeout")
-    g.add_argument("--memory-budget-gib", dest="memory_budget_gib", type=float, metavar="GIB",
+    g.add_argument("--memory-budget-gib", dest="memory_budget_gib", type=finite_float, metavar="GIB",
                    help="give the instance only this much device memory (e.g. 16 to tune for a "
                         "16 GB card on a bigger one); gpu-memory-utilization is then a share of it")
 
@@ -88,6 +89,7 @@ def checked_config(args: argparse.Namespace, values: dict | None = None):
     from tuner import config
 
     cfg = load_config(args)
+    check_host(cfg.host)
     if values is not None:
         config.check_flag_values(values, "command line", cfg.extra_args)
     else:
@@ -103,6 +105,17 @@ def checked_config(args: argparse.Namespace, values: dict | None = None):
     return cfg
 
 
+def check_host(host: str) -> None:
+    """The address every server binds and every request goes to: a name that does not resolve
+    would fail each launch the same way, so it is refused before the first."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise TunerError(f"--host {host}: not an address or a name this machine resolves ({e})")
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -110,6 +123,26 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
@@ -133,7 +166,7 @@ def add_flag_options(p: argparse.ArgumentParser) -> None:
         if f.kind == "bool":
             p.add_argument(f.cli, dest=f.name, action="store_true", help=f.help or None)
             continue
-        kind = {"float": float, "int": positive_int if f.low == 1 else int, "str": str}[f.kind]
+        kind = {"float": finite_float, "int": positive_int if f.low == 1 else int, "str": str}[f.kind]
         p.add_argument(f.cli, dest=f.name, type=kind, required=f.required, help=f.help or None)
 
 
@@ -160,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = command("run", "search launch flags: launch, load-test and record trials until N are done",
                   "  python -m tuner run --trials 40\n"
-                  "  python -m tuner run --study studies/h200.toml --trials 12 --confirm 2\n"
+                  "  python -m tuner run --study studies/gpu.toml --trials 12 --confirm 2\n"
                   "  python -m tuner run --study studies/gpu.toml --trials 40 --time-limit 120\n"
                   "  python -m tuner run --study studies/gpu.toml --trials 40 --patience 8\n"
                   "  python -m tuner run --trials 40 --sampler random --name demo-random\n"
@@ -171,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop when the study holds this many launched trials (default 20)")
     run.add_argument("--sampler", choices=("auto", "gp", "tpe", "random", "grid"),
                      help="search strategy (default auto: GP when scipy and torch import, else TPE)")
-    run.add_argument("--seed", type=int, help="sampler seed")
+    run.add_argument("--seed", type=nonneg_int, help="sampler seed (0 to 2**32 - 1)")
     run.add_argument("--confirm", type=int, metavar="K",
                      help="relaunch each Pareto member K times at the end; the front is then "
                           "formed from the mean of all runs, and a member whose relaunch fails leaves it")
@@ -192,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus", metavar="LIST",
                    help="one worker per GPU, each with CUDA_VISIBLE_DEVICES set to its own "
                         "(e.g. 0,1 or GPU-UUIDs)")
-    g.add_argument("--first-worker", dest="first_worker", type=int, default=0, metavar="K",
+    g.add_argument("--first-worker", dest="first_worker", type=nonneg_int, default=0, metavar="K",
                    help="number this host's workers from K (their sampler seeds are seed + number): "
                         "on a second host sharing a PostgreSQL study, the count of workers before it")
     g.add_argument("--ports", metavar="LOW-HIGH",
@@ -203,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = command("report", "rebuild results/NAME/ (CSV files, plots, best command, report.html) "
                      "from storage, also while a run is going",
-                     "  python -m tuner report\n  python -m tuner report --study studies/h200.toml\n")
+                     "  python -m tuner report\n  python -m tuner report --study studies/h200-full.toml\n")
     add_study_options(report, tuning=False)
 
     show = command("show", "print the trials and the Pareto set as a table",
@@ -333,7 +366,7 @@ def print_summary(study, cfg) -> None:
           file=sys.stderr)
     print(report.describe_noise(df.attrs.get("noise")), file=sys.stderr)
     if len(front):
-        print(f"Pareto set ({len(front)} configs):", file=sys.stderr)
+        print(f"Pareto set ({report.plural(len(front), 'config')}):", file=sys.stderr)
         print(report.table(front), file=sys.stderr)
         if held := report.describe_front_watch(study):
             print(held, file=sys.stderr)
@@ -366,7 +399,7 @@ def cmd_report(args) -> int:
     study = load_existing(cfg)
     check_results_dir(cfg)
     df = report.write_all(study, cfg)
-    print(f"wrote {cfg.results_path}/ from {len(df)} trials", file=sys.stderr)
+    print(f"wrote {cfg.results_path}/ from {report.plural(len(df), 'trial')}", file=sys.stderr)
     return 0
 
 
@@ -392,7 +425,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from tuner.results import export
+    from tuner.results import export, report
 
     cfg, study, df = _study_and_frame(args)
     front, warning = export.offered_front(df, cfg.tie_tolerance)
@@ -400,6 +433,7 @@ def cmd_export(args) -> int:
         raise TunerError(f"study {cfg.name} has no feasible measured config yet: run more trials")
     row = export.choose(front, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance)
     exported = export.exported(row, study, cfg, keep_dummy=args.keep_dummy, warning=warning)
+    print(f"# {args.prefer}: {report.describe_figures(row, df.attrs.get('noise'))}", file=sys.stderr)
     if why := export.choice_note(front, row, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance):
         print(f"# {why}", file=sys.stderr)
     for note in exported.notes:
@@ -430,6 +464,14 @@ def cmd_measure(args) -> int:
     values = {f.name: getattr(args, f.name) or None if f.kind == "bool" else getattr(args, f.name)
               for f in engines.flags()}
     cfg = checked_config(args, values)
+    from tuner.load import plan
+
+    context = engines.get().request_context(params_from(values).values())
+    too_short = plan.context_too_short(cfg.workload, context)
+    if too_short is not None:
+        raise TunerError(f"{engines.get().request_context_name} {context} < {too_short[1]}: every "
+                         f"request would be refused for length; give a longer context or shorter "
+                         f"[workload] lengths")
     platform = detect_platform(cfg)
     check_engine_cmd(platform.engine)
     model, extra = resolve_model(cfg)
@@ -446,7 +488,7 @@ def cmd_measure(args) -> int:
         if getattr(outcome, key, None) is not None:
             out[key.replace("_bytes", "_gib")] = round(getattr(outcome, key) / 2**30, 3)
     print(json.dumps(out, indent=2, default=str))
-    return 0
+    return 1 if outcome.failure_kind else 0
 
 
 def cmd_doctor(args) -> int:
@@ -472,7 +514,10 @@ def cmd_doctor(args) -> int:
     from tuner import engines
 
     label = engines.get(cfg.engine_name).label
-    lines.append(f"{label:<10} {platform.vllm_version or 'unknown (not installed in this Python)'}")
+    if any(ln.startswith("engine     PROBLEM") for ln in lines):
+        lines.append(f"{label:<10} unknown (its command was not found)")
+    else:
+        lines.append(f"{label:<10} {platform.vllm_version or 'unknown (not installed in this Python)'}")
     model, extra = None, cfg.extra_args
     try:
         model, extra = resolve_model(cfg, fetch=False)  # a check: never a download
@@ -491,6 +536,7 @@ def cmd_doctor(args) -> int:
         fitted, values_line = cfg, f"values     PROBLEM: {e}"
     lines += doctor_fit_lines(fitted, platform, model)
     lines.append(values_line)
+    lines += doctor_workload_lines(fitted)
     try:
         lines.append(f"storage    {cfg.storage}: {check_storage(cfg.storage)}")
     except TunerError as e:
@@ -511,10 +557,42 @@ def cmd_compare(args) -> int:
     if warning := compare.mismatch(sides):
         print(f"tuner: {warning}", file=sys.stderr)
     out = Path(args.out) if args.out else compare.default_out(sides)
+    paths = compare.write(sides, out)   # first: an unwritable --out is an error before any output
     print(compare.table(sides))
-    paths = compare.write(sides, out)
     print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
+
+
+def doctor_workload_lines(cfg) -> list[str]:
+    """Whether the space's contexts hold the workload's requests: none does is a problem (every
+    launch would be refused for length); some do not, a line (those configs are skipped unlaunched).
+    The contexts a request gets come from the engine (llama.cpp: ctx-size per slot), over every
+    choice and each range's ends."""
+    import itertools
+
+    from tuner import engines
+    from tuner.config import fixed_flag_values
+    from tuner.load import plan
+
+    engine = engines.get()
+    fixed = fixed_flag_values(cfg.extra_args, cfg.source)
+    corners = [list(d.choices) if d.choices else [d.low, d.high] for d in cfg.dimensions]
+    contexts = set()
+    for combo in itertools.product(*corners):
+        values = {**fixed, **{d.name: v for d, v in zip(cfg.dimensions, combo)}}
+        contexts.add(engine.request_context(values))
+    contexts.discard(None)   # the model's own context: checked against the model elsewhere
+    short = sorted(n for n in contexts if plan.context_too_short(cfg.workload, n) is not None)
+    if not short:
+        return []
+    name = engine.request_context_name
+    why = plan.context_too_short(cfg.workload, short[-1])[1]
+    if len(short) == len(contexts) and contexts:
+        return [f"workload   PROBLEM: the longest {name} of the space, {max(contexts):,}, is below "
+                f"{why}: every config would be refused for length; shorten the [workload] lengths "
+                f"or search longer contexts"]
+    return [f"workload   {name} {short[-1]:,}{' and below' if len(short) > 1 else ''} is below {why}: "
+            f"such configs are skipped without a launch"]
 
 
 def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
@@ -576,7 +654,7 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
         longest = pred.max_model_len_fit
         verdict = "starts" if pred.fits else "does not start"
         lines.append(f"           max-model-len {pred.max_model_len}: KV cache ~{pred.kv_cache_tokens:,} "
-                     f"tokens, {pred.max_concurrency:.1f} requests of that length at once; "
+                     f"tokens, {_count(pred.max_concurrency)} requests of that length at once; "
                      f"{verdict}{' (uncertain)' if pred.uncertain else ''}")
     # Nothing starts, and by more than the model's margin of error: doctor exits 1 before the user
     # spends a launch on it (within the margin, uncalibrated, it is a line, not a problem).
@@ -603,6 +681,11 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
             lines.append(f"requirement PROBLEM: {said}: no config of the space meets [requirement]; "
                          "raise the budget or gmu's top, or ask for fewer sequences or a shorter context")
     return lines
+
+
+def _count(x: float) -> str:
+    """A number of requests: a fraction matters below ten (0.8: not even one at full length)."""
+    return f"{x:.1f}" if x < 10 else f"{x:,.0f}"
 
 
 def _nothing_starts_hint(pred, platform_kind: str, dims) -> str:

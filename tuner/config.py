@@ -91,7 +91,7 @@ class StudyConfig:
     baselines: tuple[Baseline, ...] = ()
     workload: Workload = field(default_factory=Workload)
     requirement: Requirement = field(default_factory=Requirement)
-    storage: str = ""                         # Optuna storage URL; "" = sqlite next to the study file
+    storage: str = ""                         # Optuna storage URL; "" = sqlite:///studies/NAME.db (relative)
     results_dir: str = "results"
     sampler: str = "auto"
     seed: int | None = None
@@ -431,7 +431,21 @@ def load_study(path: str | Path, overrides: dict | None = None) -> StudyConfig:
     return parse_study(doc, source, overrides or {})
 
 
+def _check_finite(value, source: str, key: str = "") -> None:
+    """TOML allows nan and inf; no setting of a study means either."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _fail(source, key, f"must be a finite number, got {value}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, source, f"{key}.{k}" if key else k)
+    elif isinstance(value, list):
+        for v in value:
+            _check_finite(v, source, key)
+
+
 def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
+    _check_finite(doc, source)
+    _check_finite(overrides, source)
     top = _take(doc, {"study": dict, "model": dict, "server": dict, "space": dict,
                       "workload": dict, "slo": dict, "requirement": dict, "baselines": list},
                 source, "")
@@ -554,6 +568,8 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
             raise _fail(source, f"workload.{key}", f"must be >= 0, got {value}")
         if key in ("request_timeout_s", "request_rate") and value is not None and value <= 0:
             raise _fail(source, f"workload.{key}", f"must be > 0, got {value}")
+        if key == "max_failed_share" and not 0 <= value < 1:
+            raise _fail(source, f"workload.{key}", f"must be a share from 0 to below 1, got {value}")
     if workload.get("endpoint", "completions") not in ("completions", "chat"):
         raise _fail(source, "workload.endpoint", "must be \"completions\" or \"chat\"")
     wl = replace(Workload(), **workload, **{f"slo_{k}": v for k, v in slo.items()})
@@ -589,6 +605,9 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     patience = overrides.get("patience", study.get("patience", 0))
     if patience < 0:
         raise _fail(source, "study.patience", f"must be >= 0, got {patience}")
+    seed = overrides.get("seed", study.get("seed"))
+    if seed is not None and not 0 <= seed < 2**32:
+        raise _fail(source, "study.seed", f"must be 0 to 2**32 - 1, got {seed}")
     busy_wait = server.get("gpu_busy_wait_s", 120.0)
     if busy_wait < 0:
         raise _fail(source, "server.gpu_busy_wait_s", f"must be >= 0, got {busy_wait}")
@@ -602,7 +621,7 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
         baselines=tuple(baselines), workload=wl, requirement=req,
         storage=overrides.get("storage") or study.get("storage") or default_storage(name),
         results_dir=overrides.get("results_dir") or study.get("results_dir", "results"),
-        sampler=sampler, seed=overrides.get("seed", study.get("seed")), confirm=confirm,
+        sampler=sampler, seed=seed, confirm=confirm,
         replicates=replicates, patience=patience, gpu_busy_wait_s=busy_wait,
         use_memory_model=study.get("memory_model", True), screen=study.get("screen", True),
         tie_tolerance=study.get("tie_tolerance", 0.02), min_roofline_share=min_roofline_share,

@@ -212,10 +212,13 @@ class RequestProgress:
         return min(share, (now - self.t0) / self.seconds) if self.seconds > 0 else share
 
     def _figures(self, now: float) -> str:
+        # the level so far, ramp-up included: the figure kept is its steady window's (trials.csv
+        # holds both: throughput_tok_s and throughput_tok_s_wall)
         rate = self.tokens / max(now - self.t0, 1e-9)
         if self.seconds > 0:
-            return f"{self.done} requests (at least {self.total}), {now - self.t0:.0f}/{self.seconds:g} s, {rate:,.0f} tok/s"
-        return f"{self.done}/{self.total} requests, {rate:,.0f} tok/s"
+            return (f"{self.done} requests (at least {self.total}), {now - self.t0:.0f}/{self.seconds:g} s, "
+                    f"{rate:,.0f} tok/s wall-clock")
+        return f"{self.done}/{self.total} requests, {rate:,.0f} tok/s wall-clock"
 
     def _line(self, now: float) -> str:
         return f"{self.name}: {self._figures(now)}"

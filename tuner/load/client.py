@@ -43,9 +43,10 @@ from tuner.engines.vllm import SERVER_COUNTERS, SERVER_GAUGES  # noqa: E402,F401
 _JSON = {"Content-Type": "application/json"}
 # vLLM's answers (HTTP 400) to a request longer than the server's context: "This model's maximum
 # context length is 4096 tokens. However, you requested ...", "The decoder prompt (length 5000) is
-# longer than the maximum model length of 4096", "'max_tokens' ... is too large"
+# longer than the maximum model length of 4096", "'max_tokens' ... is too large", and vLLM 0.32's
+# "max_tokens must be at least 1, got 0" for a prompt that fills the whole context
 TOO_LONG = re.compile(r"maximum context length|maximum model length|max_model_len|is too large|"
-                      r"too long|exceeds the model", re.I)
+                      r"too long|exceeds the model|max_tokens must be at least 1", re.I)
 
 
 # ---------------------------------------------------------------- SSE parsing (the hot path)

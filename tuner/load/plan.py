@@ -136,3 +136,17 @@ def share_too_long(w: Workload, max_model_len: int) -> float:
             if i >= level.requests:
                 worst = max(worst, too_long / i)
     return worst
+
+
+def context_too_short(w: Workload, max_model_len: int | None) -> tuple[float, str] | None:
+    """Why a server of this context cannot serve the workload, or None: more of a level's requests
+    would be refused for length than a load test tolerates (any request at all with fixed lengths).
+    Returns (the share refused, the reason in words)."""
+    if max_model_len is None:
+        return None
+    too_long = share_too_long(w, max_model_len)
+    if too_long <= (w.max_failed_share if w.length_mix != "fixed" else 0.0):
+        return None
+    if w.length_mix == "fixed":
+        return too_long, f"the workload's {w.prompt_tokens} + {w.output_tokens} tokens per request"
+    return too_long, f"{too_long:.0%} of a level's requests of the {w.length_mix} length mix"

@@ -3,7 +3,6 @@ llama.cpp): a table, compare.csv and compare.png, built from storage like `repor
 
 from __future__ import annotations
 
-import math
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,7 @@ import pandas as pd
 from tuner import engines
 from tuner.config import StudyConfig
 from tuner.errors import TunerError
-from tuner.results.report import LABELS, MAXIMIZE, OBJECTIVES
+from tuner.results.report import LABELS, MAXIMIZE, OBJECTIVES, figure, spread
 
 SHORT = {"single_stream_tok_s": "single-stream tok/s", "throughput_tok_s": "throughput tok/s",
          "ttft_ms": "TTFT p50 ms"}
@@ -34,17 +33,6 @@ class Side:
     front: pd.DataFrame         # one row per member: trial, flags, objectives, spreads, runs
     command: str                # the exported command of the balanced pick ("" without a front)
     warning: str = ""           # export's warning about the offered front
-
-
-def spread(row: pd.Series, key: str, noise: dict | None) -> float:
-    """The standard deviation of objective `key` over the member's runs; with one run, the
-    launch-to-launch noise of the study (its coefficient of variation times the value); NaN when
-    neither was measured."""
-    std = row.get(f"{key}_std")
-    if std is not None and pd.notna(std):
-        return float(std)
-    cv = (noise or {}).get(key, {}).get("cv")
-    return float(row[key]) * cv if cv else math.nan
 
 
 def platform_of(df: pd.DataFrame) -> str:
@@ -100,10 +88,14 @@ def load_sides(study_files: list[str], resolve) -> list[Side]:
     if len(study_files) < 2:
         raise TunerError(f"compare needs at least two --study (got {len(study_files)}): "
                          "e.g. --study demo --study demo-llamacpp")
-    sides, seen = [], {}
+    sides, seen, files = [], {}, set()
     try:
         for name in study_files:
-            cfg = load_study(resolve(name))
+            path = Path(resolve(name)).resolve()
+            if path in files:
+                raise TunerError(f"--study {name} is given twice: compare needs different studies")
+            files.add(path)
+            cfg = load_study(path)
             seen[cfg.name] = seen.get(cfg.name, 0) + 1
             label = cfg.name if seen[cfg.name] == 1 else f"{cfg.name}#{seen[cfg.name]}"
             sides.append(load_side(cfg, label))
@@ -171,10 +163,6 @@ def best(all_rows: pd.DataFrame) -> dict[str, tuple[str, int]]:
     return out
 
 
-def _figure(value: float, sd: float) -> str:
-    return f"{value:.1f}" + ("" if math.isnan(sd) else f" ± {sd:.1f}")
-
-
 def table(sides: list[Side]) -> str:
     """The printed comparison: per study its front with flags and figures, the best marked."""
     marks = best(rows(sides))
@@ -189,7 +177,7 @@ def table(sides: list[Side]) -> str:
         view = pd.DataFrame({"trial": s.front["trial"], "flags": s.front["flags"]})
         for k in OBJECTIVES:
             view[SHORT[k]] = [
-                _figure(r[k], r[f"{k}_spread"]) + (" *" if marks.get(k) == (s.label, int(r["trial"]))
+                figure(r[k], r[f"{k}_spread"]) + (" *" if marks.get(k) == (s.label, int(r["trial"]))
                                                     else "")
                 for _, r in s.front.iterrows()]
         view["runs"] = s.front["runs"]
@@ -202,17 +190,21 @@ def table(sides: list[Side]) -> str:
         lines.append("* best across the studies: " + "; ".join(
             f"{SHORT[k]} {study} trial {trial}" for k, (study, trial) in marks.items()))
     lines.append("± the standard deviation over the config's runs, or the study's launch-to-launch "
-                 "noise for a config run once (none shown: neither measured)")
+                 "noise for a config run once (a figure without ± has neither)")
     return "\n".join(lines)
 
 
 def default_out(sides: list[Side]) -> Path:
-    return Path(sides[0].cfg.results_dir) / ("compare-" + "-".join(s.label for s in sides))
+    return Path(sides[0].cfg.results_dir) / ("compare-" + "-".join(s.label.replace("#", "-")
+                                                                  for s in sides))
 
 
 def write(sides: list[Side], out: Path) -> list[Path]:
     """compare.csv and compare.png in `out`."""
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TunerError(f"cannot write {out}/: {e.strerror}; pass --out a writable folder")
     csv_path = out / "compare.csv"
     rows(sides).to_csv(csv_path, index=False)
     return [csv_path, plot(sides, out / "compare.png")]

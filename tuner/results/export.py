@@ -8,6 +8,7 @@ import shlex
 from dataclasses import dataclass, replace
 from pathlib import PurePath
 
+import numpy as np
 import pandas as pd
 
 from tuner import engines
@@ -62,10 +63,12 @@ def preferred(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None 
               tie_tolerance: float = 0.02) -> pd.Series:
     """The Pareto row a preference picks (objective columns are means over every run of a config).
 
-    throughput / single-stream / ttft: the best on that objective. balanced: the best sum of the
-    objectives scaled to [0, 1] across the front, counting only objectives whose spread across the
-    front is beyond the measured noise (a spread inside it would let noise pick the command); when
-    no objective is, every member is a tie and the highest throughput wins.
+    throughput / single-stream / ttft: the best on that objective. balanced: the smallest summed
+    loss against the front's best on each objective, as a log ratio (so half the throughput weighs
+    as much as twice the TTFT, whatever the units or the number of members), counting only
+    objectives whose spread across the front is beyond the measured noise (a spread inside it would
+    let noise pick the command); when no objective is, every member is a tie and the highest
+    throughput wins, as it does between members whose losses sum the same.
     """
     front = _meeting_requirement(front)
     if front.empty:
@@ -76,12 +79,10 @@ def preferred(front: pd.DataFrame, prefer: str = "balanced", noise: dict | None 
         keys = balanced_objectives(front, noise, tie_tolerance) or ["throughput_tok_s"]
     score = pd.Series(0.0, index=front.index)
     for k in keys:
-        v = front[k].astype(float)
-        span = v.max() - v.min()
-        s = (v - v.min()) / span if span > 0 else pd.Series(1.0, index=v.index)
-        score += s if MAXIMIZE[k] else 1 - s
-    best = score.max()
-    return front[score == best].sort_values("trial").iloc[0]
+        v = front[k].astype(float).clip(lower=1e-12)
+        score += np.log(v / v.max()) if MAXIMIZE[k] else np.log(v.min() / v)
+    best = front[np.isclose(score, score.max(), rtol=0, atol=1e-9)]
+    return best.sort_values(["throughput_tok_s", "trial"], ascending=[False, True]).iloc[0]
 
 
 def ties_with(front: pd.DataFrame, pick: pd.Series, noise: dict | None = None,

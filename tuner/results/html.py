@@ -100,6 +100,11 @@ def fmt(value, digits: int | None) -> str:
     return f"{x:,.{digits}f}"
 
 
+def _plus_minus(row, key: str, digits: int, noise) -> str:
+    sd = report.spread(row, key, noise)
+    return "" if _missing(sd) else f" ± {sd:,.{digits}f}"
+
+
 def cell(value, column: str, digits: int | None = None) -> str:
     """One <td>, escaped; a number also carries its full value (data-value) for tests and scripts."""
     text = html.escape(fmt(value, digits))
@@ -243,7 +248,8 @@ def commands_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
     for prefer in export.PREFERENCES:
         row = export.choose(front, prefer, df.attrs.get("noise"), cfg.tie_tolerance)
         e = export.exported(row, study, cfg, warning=warning)
-        figures = ", ".join(f"{h} {fmt(row.get(c), d)}" for c, h, d in OBJECTIVE_COLUMNS)
+        figures = ", ".join(f"{h} {fmt(row.get(c), d)}" + _plus_minus(row, c, d, df.attrs.get("noise"))
+                            for c, h, d in OBJECTIVE_COLUMNS)
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in e.notes)
         blocks.append(
             f'<div class="command" data-prefer="{prefer}" data-trial="{int(row["trial"])}">'
@@ -257,10 +263,15 @@ def commands_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
 
 
 def front_section(cfg: StudyConfig, df: pd.DataFrame, params) -> str:
-    front = df[df["pareto"]]
-    stds = [(f"{k}_std", f"{h} sd", d) for k, h, d in OBJECTIVE_COLUMNS]
+    front = df[df["pareto"]].copy()
+    noise = df.attrs.get("noise")
+    for k in OBJECTIVES:   # over the config's runs, else the study's launch-to-launch noise
+        front[f"{k}_spread"] = [report.spread(row, k, noise) for _, row in front.iterrows()]
+    stds = [(f"{k}_spread", f"{h} ±", d) for k, h, d in OBJECTIVE_COLUMNS]
     body = para(f"{len(front)} configs no other beats beyond the measured noise. "
-                + "; ".join(f"{k}: {LABELS[k]}" for k in OBJECTIVES))
+                + "; ".join(f"{k}: {LABELS[k]}" for k in OBJECTIVES)
+                + ". ± is the standard deviation over a config's runs, or the study's "
+                  "launch-to-launch noise for a config run once.")
     body += table(front, params + OBJECTIVE_COLUMNS + stds + [("runs", "runs", 0),
                                                               ("roofline_pct", "roofline %", 1)],
                   "front", _Marks(), drop_empty=True)

@@ -54,7 +54,8 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
         if a.get("failure") in SKIPPED or t.state == TrialState.WAITING:
             continue  # repeats of a measured config, and configs queued but never started
         row = {"trial": t.number, "state": t.state.name}
-        row.update(t.params)
+        # Optuna's stepped floats carry binary noise (0.9300000000000002): shown as the step made them
+        row.update({k: round(v, 6) if isinstance(v, float) else v for k, v in t.params.items()})
         feasible = is_feasible(t)
         row["feasible"] = feasible
         row.update({f"constraint_{k}": v for k, v in t.constraints.items()})
@@ -365,7 +366,8 @@ def plot_parameters(df: pd.DataFrame, path: Path, title: str = "") -> Path:
     ax.set_ylabel(f"{fy.cli if fy else 'trial'} (searched value)")
     ax.set_title("where configs fit" + (f" (marker size: {fsize.cli})" if fsize else ""))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    if ax.get_legend_handles_labels()[0]:   # nothing drawn yet: no empty legend (and no warning)
+        ax.legend(fontsize=8, loc="best")
 
     axes_cols = [c for c in (*(f.name for f in engines.flags() if f.kind in ("int", "float")),
                              *OBJECTIVES) if c in df.columns
@@ -421,8 +423,16 @@ def describe_front_watch(study) -> str:
         return ""
     launched = launched_count(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)))
     still = max(0, launched - int(watch["changed_at"]))
-    return (f"front: unchanged beyond the noise for the last {still} of {launched} launches "
+    if still == 0:
+        return (f"front: changed by the last launch ({plural(launched, 'launch')} so far; "
+                "--patience N stops after N launches leave it unchanged)")
+    return (f"front: unchanged beyond the noise for the last {still} of {plural(launched, 'launch')} "
             f"(last changed by launch {watch['changed_at']}; --patience N stops after N)")
+
+
+def plural(n: int, word: str) -> str:
+    """"1 launch", "3 launches", "2 configs"."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith(('s', 'ch')) else 's'}"
 
 
 def describe_launch(df: pd.DataFrame) -> str:
@@ -431,7 +441,8 @@ def describe_launch(df: pd.DataFrame) -> str:
         return ""
     parts = [f"{c[len('launch_'):-2]} {df[c].median():.1f} s" for c in LAUNCH_PHASE_COLUMNS
              if c in df.columns and not df[c].dropna().empty]
-    line = f"launch: median {df['launch_s'].median():.1f} s over {df['launch_s'].count()} launches"
+    line = (f"launch: median {df['launch_s'].median():.1f} s over "
+            f"{plural(int(df['launch_s'].count()), 'trial')}' first launch")
     return line + (" (median phases: " + ", ".join(parts) + ")" if parts else "")
 
 
@@ -444,6 +455,36 @@ def describe_empty_front(df: pd.DataFrame) -> str:
     return f"Pareto set: none yet; no trial has met every constraint ({said})"
 
 
+def spread(row: pd.Series, key: str, noise: dict | None) -> float:
+    """The standard deviation of objective `key` over the config's runs; with one run, the
+    launch-to-launch noise of the study (its coefficient of variation times the value); NaN when
+    neither was measured."""
+    std = row.get(f"{key}_std")
+    if std is not None and pd.notna(std):
+        return float(std)
+    cv = (noise or {}).get(key, {}).get("cv")
+    return float(row[key]) * cv if cv else math.nan
+
+
+def figure(value: float, sd: float) -> str:
+    """A figure with its spread: "366.9 ± 61.8", or the figure alone where none was measured."""
+    if pd.isna(value):
+        return ""
+    return f"{value:.1f}" + ("" if pd.isna(sd) else f" ± {sd:.1f}")
+
+
+def describe_figures(row: pd.Series, noise: dict | None) -> str:
+    """One config's objectives with their spreads, in words: "trial 4: single stream 370.4 ± 2.6
+    tok/s, throughput 5,206.5 ± 130.2 tok/s, TTFT p50 53.3 ± 9.0 ms (1 run)"."""
+    runs = int(row["runs"]) if "runs" in row and pd.notna(row["runs"]) else 1
+    parts = []
+    for key, name, unit in (("single_stream_tok_s", "single stream", "tok/s"),
+                            ("throughput_tok_s", "throughput", "tok/s"), ("ttft_ms", "TTFT p50", "ms")):
+        sd = spread(row, key, noise)
+        parts.append(f"{name} {row[key]:,.1f}" + ("" if pd.isna(sd) else f" ± {sd:,.1f}") + f" {unit}")
+    return f"trial {int(row['trial'])}: {', '.join(parts)} ({runs} run{'s' if runs != 1 else ''})"
+
+
 def table(df: pd.DataFrame, columns: list[str] | None = None) -> str:
     # the three flags always, any other flag where a trial set it (a searched cpu_offload_gb)
     flags = [f.name for f in engines.flags()
@@ -451,7 +492,10 @@ def table(df: pd.DataFrame, columns: list[str] | None = None) -> str:
     cols = columns or ["trial", "state", "failure", *flags, *OBJECTIVES, "runs", "pareto", "baseline"]
     cols = [c for c in cols if c in df.columns]
     view = df[cols].copy()
+    noise = df.attrs.get("noise")
     for c in OBJECTIVES:
-        if c in view:
-            view[c] = view[c].map(lambda v: "" if pd.isna(v) else f"{v:.1f}")
+        if c in view:   # each figure with its spread: over the config's runs, else the study's noise
+            view[c] = [figure(row[c], spread(row, c, noise)) for _, row in df.iterrows()]
+    if "runs" in view:
+        view["runs"] = view["runs"].map(lambda v: "" if pd.isna(v) else str(int(v)))
     return view.to_string(index=False, na_rep="")

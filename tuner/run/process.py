@@ -30,8 +30,10 @@ class EngineNotFound(TunerError):
 
     def __init__(self, engine_cmd: tuple[str, ...], label: str = "vLLM"):
         self.engine_cmd = engine_cmd
+        program = engine_cmd[0] if engine_cmd else ""
+        where = ("is not an executable file" if os.sep in program else "is not on PATH")
         super().__init__(f"engine command {' '.join(engine_cmd)!r} is not installed: "
-                         f"{engine_cmd[0]!r} is not on PATH (set the study's engine command "
+                         f"{program!r} {where} (set the study's engine command "
                          f"or install {label})")
 
 

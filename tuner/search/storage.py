@@ -154,6 +154,13 @@ class Heartbeat:
 def load_existing(cfg: StudyConfig) -> optuna.Study:
     db = cfg.storage[len("sqlite:///"):].split("?")[0] if cfg.storage.startswith("sqlite:///") else ""
     if db and db != ":memory:" and not Path(db).exists():   # opening it would create an empty one
+        beside = Path(cfg.source).parent / Path(db).name
+        if not Path(db).is_absolute() and beside.exists() and Path(cfg.source).exists():
+            # the default storage is relative to the folder the tuner runs in, like results/
+            raise TunerError(f"no study {cfg.name!r} in {cfg.storage} (no such file under "
+                             f"{Path.cwd()}); {beside} is beside the study file: run from the folder "
+                             f"that holds {Path(db).parent}/, or pass --storage "
+                             f"sqlite:///{beside.resolve()}")
         raise TunerError(f"no study {cfg.name!r} in {cfg.storage} (no such file): run "
                          "`python -m tuner run` first")
     storage = open_storage(cfg.storage)

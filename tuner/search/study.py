@@ -487,15 +487,11 @@ class Tuner:
             trial.set_constraint("requirement", below)
             study.tell(trial, penalty_values(self.cfg, study))
             return "predicted_infeasible"
-        too_long = 0.0 if longest is None else plan.share_too_long(w, longest)
-        if too_long > (w.max_failed_share if w.length_mix != "fixed" else 0.0):
+        too_short = plan.context_too_short(w, longest)
+        if too_short is not None:
             # more of a level's requests would be refused for length than a load test tolerates
             trial.set_user_attr("failure", "predicted_infeasible")
-            if w.length_mix == "fixed":
-                why = f"the workload's {w.prompt_tokens} + {w.output_tokens} tokens per request"
-            else:
-                why = f"{too_long:.0%} of a level's requests of the {w.length_mix} length mix"
-            trial.set_user_attr("failure_message", f"{context_name} {longest} < {why}")
+            trial.set_user_attr("failure_message", f"{context_name} {longest} < {too_short[1]}")
             for key in CONSTRAINTS:
                 trial.set_constraint(key, 0.0)
             trial.set_constraint("load_test", max(0.01, plan.longest_request(w) / max(longest, 1) - 1))
