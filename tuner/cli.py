@@ -116,14 +116,23 @@ def check_host(host: str) -> None:
         raise TunerError(f"--host {host}: not an address or a name this machine resolves ({e})")
 
 
-def positive_int(text: str) -> int:
+def _whole_number(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}" if least == 1
+                                         else f"must be {least} or more, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _whole_number(text, 1)
+
+
+def nonneg_int(text: str) -> int:
+    return _whole_number(text, 0)
 
 
 def finite_float(text: str) -> float:
@@ -133,16 +142,6 @@ def finite_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
