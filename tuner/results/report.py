@@ -441,8 +441,8 @@ def describe_launch(df: pd.DataFrame) -> str:
         return ""
     parts = [f"{c[len('launch_'):-2]} {df[c].median():.1f} s" for c in LAUNCH_PHASE_COLUMNS
              if c in df.columns and not df[c].dropna().empty]
-    line = (f"launch: median {df['launch_s'].median():.1f} s over "
-            f"{plural(int(df['launch_s'].count()), 'trial')}' first launch")
+    line = (f"launch: median {df['launch_s'].median():.1f} s over the first launch of "
+            f"{plural(int(df['launch_s'].count()), 'trial')}")
     return line + (" (median phases: " + ", ".join(parts) + ")" if parts else "")
 
 
