@@ -16,6 +16,11 @@ spare (TUNER_WARM_IMPORTS), instead of cold against warm; e.g. `--imports vllm.v
 what vLLM's engine-core process imports after it starts. Every launch's phases from its log
 (engine_start, weights, compile, profile, graphs, warmup) are printed beside its seconds to ready,
 and the table gives the median engine_start of each side.
+
+--env KEY=VALUE: compare warm starts without and with that variable in the server's environment,
+e.g. `--env VLLM_WORKER_MULTIPROC_METHOD=fork`: vLLM's CLI starts its engine-core process with
+`spawn` (a fresh interpreter that imports torch and vLLM again) unless the variable is set; with
+`fork` the engine core is a copy of the API server, whose imports the spare has already done.
 """
 
 from __future__ import annotations
@@ -59,11 +64,13 @@ def launch_once(spec: LaunchSpec) -> tuple[float, bool]:
 
 
 def run(spec: LaunchSpec, warm: bool, launches: int, log_dir: Path, imports: str = "",
-        label: str = "") -> tuple[list[float], float, list[dict]]:
+        label: str = "", env: dict | None = None) -> tuple[list[float], float, list[dict]]:
     """One run of launches: seconds to ready of each, the run's wall-clock, and each launch's
-    phases from its log. `imports` is TUNER_WARM_IMPORTS for the spares of this run."""
+    phases from its log. `imports` is TUNER_WARM_IMPORTS for the spares of this run; `env` is set
+    for the run (servers and spares) and taken away after it."""
     label = label or ("warm" if warm else "cold")
     os.environ[spare.ENV_IMPORTS] = imports
+    os.environ.update(env or {})
     spare.enable(warm)
     t0 = time.monotonic()
     seconds, phases = [], []
@@ -77,6 +84,8 @@ def run(spec: LaunchSpec, warm: bool, launches: int, log_dir: Path, imports: str
               + "; " + " ".join(f"{k} {v:.1f}" for k, v in phases[-1].items()), flush=True)
     spare.discard()
     os.environ.pop(spare.ENV_IMPORTS, None)
+    for key in env or {}:
+        os.environ.pop(key, None)
     return seconds, time.monotonic() - t0, phases
 
 
@@ -93,6 +102,8 @@ def main() -> int:
                     help="no uncounted first launch (each run's first launch is uncounted anyway)")
     ap.add_argument("--imports", default="", metavar="MOD[,MOD]",
                     help="compare warm starts without and with these modules imported by every spare")
+    ap.add_argument("--env", default="", metavar="KEY=VALUE",
+                    help="compare warm starts without and with this variable in the server's environment")
     args = ap.parse_args()
     if args.launches < 2:
         ap.error("--launches must be at least 2 (a warm run's first launch is cold)")
@@ -105,15 +116,22 @@ def main() -> int:
     if not args.skip_warmup:
         print(f"warm-up launch (not counted); logs in {log_dir}", flush=True)
         print(f"  ready after {launch_once(LaunchSpec(**{**spec.__dict__, 'log_path': str(log_dir / 'warmup.log')}))[0]:.1f} s")
-    # The two sides: (label, warm, TUNER_WARM_IMPORTS); cold vs warm, or warm vs warm + imports.
-    sides = ([("warm", True, ""), ("warm+imports", True, args.imports)] if args.imports
-             else [("cold", False, ""), ("warm", True, "")])
-    later = {label: [] for label, _, _ in sides}
-    engine_start = {label: [] for label, _, _ in sides}
-    totals = {label: [] for label, _, _ in sides}
+    # The two sides: (label, warm, TUNER_WARM_IMPORTS, env); cold vs warm, or warm vs warm with
+    # the imports and/or the variable.
+    if args.env and "=" not in args.env:
+        ap.error("--env takes KEY=VALUE")
+    env = dict([args.env.split("=", 1)]) if args.env else {}
+    if args.imports or env:
+        extra = "+".join(["imports"] * bool(args.imports) + [args.env] * bool(env))
+        sides = [("warm", True, "", {}), (f"warm+{extra}", True, args.imports, env)]
+    else:
+        sides = [("cold", False, "", {}), ("warm", True, "", {})]
+    later = {label: [] for label, *_ in sides}
+    engine_start = {label: [] for label, *_ in sides}
+    totals = {label: [] for label, *_ in sides}
     for r in range(args.rounds):
-        for label, warm, imports in (sides if r % 2 == 0 else sides[::-1]):
-            seconds, total, phases = run(spec, warm, args.launches, log_dir, imports, label)
+        for label, warm, imports, side_env in (sides if r % 2 == 0 else sides[::-1]):
+            seconds, total, phases = run(spec, warm, args.launches, log_dir, imports, label, side_env)
             later[label] += seconds[1:]
             engine_start[label] += [p["engine_start"] for p in phases[1:] if "engine_start" in p]
             totals[label].append(total)
@@ -122,11 +140,11 @@ def main() -> int:
     print("| start | launches after the first: median ready s (min-max) | median engine_start s "
           "| run of launches: median wall s |")
     print("| --- | --- | --- | --- |")
-    for label, _, _ in sides:
+    for label, *_ in sides:
         xs, es = later[label], engine_start[label]
         print(f"| {label} | {statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f}) "
               f"| {statistics.median(es) if es else float('nan'):.1f} | {statistics.median(totals[label]):.1f} |")
-    (a, _, _), (b, _, _) = sides
+    (a, *_), (b, *_) = sides
     print(f"ratio {b} / {a}: later launches {statistics.median(later[b]) / statistics.median(later[a]):.3f}, "
           f"whole run {statistics.median(totals[b]) / statistics.median(totals[a]):.3f}")
     return 0

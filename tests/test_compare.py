@@ -118,7 +118,7 @@ def test_differing_workloads_are_warned_about_in_one_line(work):
 @pytest.mark.parametrize("studies,out", [
     (("fake-vllm.toml",), None), (("fake-vllm.toml", "missing.toml"), None),
     (("fake-vllm.toml", "never-run.toml"), None), (("fake-vllm.toml", "fake-vllm.toml"), None),
-    (("fake-vllm.toml", "fake-other.toml"), "/proc/no-such/out")],
+    (("fake-vllm.toml", "demo-llamacpp"), "/proc/no-such/out")],
     ids=["one-study", "missing-file", "no-stored-trials", "the-same-study-twice", "unwritable-out"])
 def test_bad_input_is_one_line_and_exit_2(work, studies, out):
     args = [a for s in studies for a in ("--study", s)] + (["--out", out] if out else [])

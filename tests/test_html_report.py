@@ -92,17 +92,24 @@ def opened(browser: Page, path: Path) -> Page:
     return browser
 
 
-def assert_numbers_equal_csv(cells: list[dict], csv: pd.DataFrame) -> int:
-    """Every number shown equals trials.csv's (full value, and the text as rounded); returns how
-    many were compared."""
+def assert_numbers_equal_csv(cells: list[dict], csv: pd.DataFrame, noise: dict | None = None) -> int:
+    """Every number shown equals trials.csv's (full value, and the text as rounded); a front
+    member's ± is its std over runs in trials.csv, else the study's noise CV times its figure;
+    returns how many were compared."""
     rows = csv.set_index("trial")
     checked = 0
     for c in cells:
         if c["table"] not in ("trials", "front", "levels", "roofline", "baselines", "failures") \
                 or c["col"] == "trial":
             continue
-        assert c["col"] in rows.columns, c
-        want = float(rows.at[c["trial"], c["col"]])
+        if c["col"].endswith("_pm"):
+            key = c["col"][:-len("_pm")]
+            std = rows.at[c["trial"], f"{key}_std"] if f"{key}_std" in rows.columns else float("nan")
+            want = float(std) if pd.notna(std) else \
+                float(rows.at[c["trial"], key]) * (noise or {})[key]["cv"]
+        else:
+            assert c["col"] in rows.columns, c
+            want = float(rows.at[c["trial"], c["col"]])
         assert float(c["value"]) == pytest.approx(want, rel=1e-12, abs=1e-12), c
         shown = c["text"].replace(",", "")
         decimals = len(shown.split(".")[1]) if "." in shown else 0
@@ -154,7 +161,9 @@ def test_plots_and_tables_are_rendered(curve_study, browser, tmp_path):
 def test_numbers_shown_equal_trials_csv(curve_study, browser):
     page = opened(browser, curve_study.page)
     cells = page.eval(CELLS_JS)
-    checked = assert_numbers_equal_csv(cells, curve_study.csv)
+    noise = json.loads((curve_study.folder / "noise.json").read_text())
+    checked = assert_numbers_equal_csv(cells, curve_study.csv, noise)
+    assert any(c["col"].endswith("_pm") for c in cells)     # the front's spreads are shown
     tables = {c["table"] for c in cells}
     assert {"trials", "front", "levels", "roofline", "baselines", "failures"} <= tables
     # each measured config's curve: every level's throughput and TTFT p50 is on the page

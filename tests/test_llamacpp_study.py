@@ -41,7 +41,7 @@ def test_demo_llamacpp_runs_shows_and_exports(tmp_path):
     for r in measured:
         assert float(r["single_stream_tok_s"]) > 10 and float(r["ttft_ms"]) > 0
         assert "tuner.engines.llamacpp_server" in r["command"] and " -c " in r["command"]
-    assert {r["baseline"] for r in rows} >= {"vllm-defaults", "hand-tuned"}
+    assert {r["baseline"] for r in rows} >= {"llamacpp-defaults", "hand-tuned"}
     for png in ("pareto.png", "parameters.png", "curves.png"):
         assert (tmp_path / "results" / "demo-llamacpp" / png).stat().st_size > 10_000
     show = tuner(tmp_path, "show", "--study", "demo-llamacpp")

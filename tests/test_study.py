@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import os
 import shlex
 
@@ -114,6 +116,37 @@ def test_a_resumed_study_refuses_another_load_and_tolerates_a_longer_timeout(tmp
     Tuner(fresh, measure=FakeDevice(), platform=FAKE_PLATFORM, progress=False).open()
     run(replace(fresh, workload=replace(fresh.workload, closed_loop_start="staggered")), FakeDevice(), 1)
     assert load_existing(fresh).user_attrs["config"]["workload"]["closed_loop_start"] == "staggered"
+
+
+def test_a_resumed_study_refuses_another_model_other_fixed_flags_or_other_choices(tmp_path):
+    from dataclasses import replace
+
+    from tuner.errors import TunerError
+
+    cfg = fake_config(tmp_path)
+    run(cfg, FakeDevice(), 2)
+    dims = {d.name: d for d in cfg.dimensions}
+    seqs = dims["max_num_seqs"]
+    assert seqs.choices
+    other_choices = tuple(d if d.name != "max_num_seqs" else replace(seqs, choices=(*seqs.choices, 999))
+                          for d in cfg.dimensions)
+    assert cfg.model == "preset:tiny"
+    another = "preset:llama-3.1-8b"
+    for changed, words in (({"extra_args": ("--dtype", "float32")}, "extra_args: "),
+                           ({"model": str(another)}, "model: "),
+                           ({"dimensions": other_choices}, "max_num_seqs: ")):
+        device = FakeDevice()
+        with pytest.raises(TunerError) as err:   # before: an Optuna ValueError, a half-asked trial
+            run(replace(cfg, **changed), device, 4)
+        assert words in str(err.value) and "--name" in str(err.value), str(err.value)
+        assert device.launches == []
+    # a range may move (Optuna takes a float or int range that changed): the study goes on
+    gmu = dims["gpu_memory_utilization"]
+    assert not gmu.choices
+    wider = tuple(d if d.name != gmu.name else replace(gmu, low=gmu.low / 2) for d in cfg.dimensions)
+    device = FakeDevice()
+    run(replace(cfg, dimensions=wider), device, 3)
+    assert len(device.launches) == 1
 
 
 def test_interrupted_trial_is_failed_and_its_config_measured_on_resume(tmp_path):
@@ -311,7 +344,24 @@ def test_ties_widen_by_students_t_when_the_noise_rests_on_few_replicates():
     wide = noise_module.tie_margin("throughput_tok_s", 1000.0, 1200.0, 1, 1, few, 0.02)
     narrow = noise_module.tie_margin("throughput_tok_s", 1000.0, 1200.0, 1, 1, many, 0.02)
     assert wide > 200 > narrow                   # a tie on 2 degrees of freedom, a difference on 40
-    assert narrow == pytest.approx(2.04 * 0.05 * (1000.0 ** 2 + 1200.0 ** 2) ** 0.5)
+    # the test is on the ratio: |ln(1200 / 1000)| against 2.04 standard errors of a log difference
+    L = 2.04 * 0.05 * 2 ** 0.5
+    assert narrow == pytest.approx((1000.0 * 1200.0) ** 0.5 * 2 * math.sinh(L / 2))
+    # close to the linear form for close values ...
+    assert narrow == pytest.approx(2.04 * 0.05 * (1000.0 ** 2 + 1200.0 ** 2) ** 0.5, rel=0.02)
+    # ... but a wide noise no longer ties values 20x apart: 107 ms against 2,141 ms, CV 25 %, 2 dof
+    noisy = {"ttft_ms": {"cv": 0.25, "dof": 2, "configs": 1}}
+    assert 2141.0 - 107.0 > noise_module.tie_margin("ttft_ms", 107.0, 2141.0, 1, 1, noisy, 0.02)
+    assert 130.0 - 107.0 < noise_module.tie_margin("ttft_ms", 107.0, 130.0, 1, 1, noisy, 0.02)
+
+
+def test_describe_noise_warns_when_the_noise_cannot_rank_configs_launched_once():
+    quiet = {k: {"cv": 0.03, "dof": 4, "configs": 2} for k in report.OBJECTIVES}
+    assert "WARNING" not in report.describe_noise(quiet)
+    loud = dict(quiet, throughput_tok_s={"cv": 0.31, "dof": 2, "configs": 1})
+    line = report.describe_noise(loud)
+    assert "WARNING: the noise is too wide" in line and "throughput_tok_s ties up to" in line
+    assert "single_stream_tok_s ties" not in line
 
 
 def _tied_front(defaults: dict) -> pd.DataFrame:

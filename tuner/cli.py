@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "which decides ties on the front (default 2; 0 = no noise measurement)")
     run.add_argument("--time-limit", dest="time_limit", type=positive_minutes, metavar="MIN",
                      help="start no launch that would end after MIN minutes, judged by this "
-                          "study's median launch; then stop with everything kept (run again to go on)")
+                          "study's median launch (a study with none measured yet starts its first "
+                          "launch whatever its length); then stop with everything kept (run again to go on)")
     run.add_argument("--patience", type=int, metavar="N",
                      help="stop early once N launches in a row have not changed the Pareto front "
                           "beyond the measured noise (default 0: off; [study] patience)")

@@ -39,13 +39,29 @@ def noise_estimate(groups: dict[str, list[list[float]]]) -> dict:
     return out
 
 
-def tie_margin(key: str, a: float, b: float, na: int, nb: int, noise: dict | None,
-               tie_tolerance: float) -> float:
-    """The difference between two configs' means of objective `key` that is still a tie."""
-    margin = tie_tolerance * max(abs(a), abs(b))
+def log_margin(key: str, na: int, nb: int, noise: dict | None) -> float:
+    """The largest |ln(a / b)| between two configs' means of `key` (of na and nb launches) that
+    the measured noise cannot tell apart: noise_z standard errors of the difference of two log
+    means, a launch's log having a standard deviation of about its CV. 0 without a noise figure."""
     measured = (noise or {}).get(key, {})
     cv = measured.get("cv")
-    if cv:
-        z = noise_z(measured.get("dof"))
-        margin = max(margin, z * cv * math.sqrt(a * a / max(na, 1) + b * b / max(nb, 1)))
+    if not cv:
+        return 0.0
+    return noise_z(measured.get("dof")) * cv * math.sqrt(1 / max(na, 1) + 1 / max(nb, 1))
+
+
+def tie_margin(key: str, a: float, b: float, na: int, nb: int, noise: dict | None,
+               tie_tolerance: float) -> float:
+    """The difference between two configs' means of objective `key` that is still a tie.
+
+    The noise is multiplicative (a CV), so the test is on the ratio: |ln(a / b)| within
+    `log_margin`, written as a difference: |a - b| <= sqrt(ab) * 2 sinh(L / 2). For close values
+    that is z * cv * a * sqrt(1/na + 1/nb), as on a linear scale; for far ones it does not grow
+    with the larger value, so a wide noise still tells 107 ms from 2,141 ms."""
+    margin = tie_tolerance * max(abs(a), abs(b))
+    L = log_margin(key, na, nb, noise)
+    if L and a > 0 and b > 0:
+        margin = max(margin, math.sqrt(a * b) * 2 * math.sinh(L / 2))
+    elif L:   # a zero or negative figure has no ratio: the linear form
+        margin = max(margin, L * max(abs(a), abs(b)))
     return margin

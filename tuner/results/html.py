@@ -266,8 +266,8 @@ def front_section(cfg: StudyConfig, df: pd.DataFrame, params) -> str:
     front = df[df["pareto"]].copy()
     noise = df.attrs.get("noise")
     for k in OBJECTIVES:   # over the config's runs, else the study's launch-to-launch noise
-        front[f"{k}_spread"] = [report.spread(row, k, noise) for _, row in front.iterrows()]
-    stds = [(f"{k}_spread", f"{h} ±", d) for k, h, d in OBJECTIVE_COLUMNS]
+        front[f"{k}_pm"] = [report.spread(row, k, noise) for _, row in front.iterrows()]
+    stds = [(f"{k}_pm", f"{h} ±", d) for k, h, d in OBJECTIVE_COLUMNS]
     body = para(f"{len(front)} configs no other beats beyond the measured noise. "
                 + "; ".join(f"{k}: {LABELS[k]}" for k in OBJECTIVES)
                 + ". ± is the standard deviation over a config's runs, or the study's "

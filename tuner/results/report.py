@@ -10,7 +10,7 @@ import pandas as pd
 
 from tuner import engines
 from tuner.config import StudyConfig
-from tuner.noise import noise_estimate, noise_z, tie_margin
+from tuner.noise import log_margin, noise_estimate, noise_z, tie_margin
 from tuner.records import MAXIMIZE, OBJECTIVES, is_feasible  # noqa: F401  (callers read them here)
 from tuner.search.trial import extra_runs, over_budget, successful_runs
 LABELS = {"single_stream_tok_s": "single-stream speed (tok/s, concurrency 1)",
@@ -100,11 +100,15 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
     return df
 
 
+# the defaults baseline's name per engine: "vllm-defaults", "llamacpp-defaults", "sglang-defaults"
+DEFAULTS_BASELINES = frozenset(f"{name}-defaults" for name in engines.NAMES)
+
+
 def defaults_point(study) -> dict:
     """The searched flags' values of the defaults baseline (vLLM's defaults snapped into the
     space), {} when the study has none; export prefers it among configs that tie."""
     for t in study.get_trials(deepcopy=False):
-        if t.user_attrs.get("baseline") == "vllm-defaults" and t.params:
+        if t.user_attrs.get("baseline") in DEFAULTS_BASELINES and t.params:
             return dict(t.params)
     return {}
 
@@ -403,9 +407,18 @@ def describe_noise(noise: dict | None) -> str:
                 "tie tolerance alone")
     parts = [f"{k} {v['cv'] * 100:.1f} %" for k, v in noise.items()]
     dof = max(v["dof"] for v in noise.values())
-    return (f"launch-to-launch noise (coefficient of variation, {dof} degrees of freedom): "
+    line = (f"launch-to-launch noise (coefficient of variation, {dof} degrees of freedom): "
             + ", ".join(parts) + f"; differences within {noise_z(dof):.2f} standard errors (Student's t) "
             "are ties" + ("; `run --confirm 1` relaunches the front to narrow them" if dof < 6 else ""))
+    # so wide that configs one launch each cannot be told apart unless one is 1.5x the other
+    wide = {k: math.exp(log_margin(k, 1, 1, noise)) for k in noise}
+    wide = {k: x for k, x in wide.items() if x >= 1.5}
+    if wide:
+        line += ("\nWARNING: the noise is too wide to rank configs launched once: "
+                 + ", ".join(f"{k} ties up to {x:.1f}x" for k, x in wide.items())
+                 + "; most measured configs can sit on the front. Quiet the machine, lengthen the "
+                   "levels ([workload] level_seconds), or relaunch (`--confirm 2`, more replicates)")
+    return line
 
 
 LAUNCH_PHASE_COLUMNS = ("launch_engine_start_s", "launch_weights_s", "launch_compile_s", "launch_profile_s",

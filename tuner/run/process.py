@@ -566,7 +566,13 @@ class ServerProcess:
         with self._stop_lock:
             if self._stopped or self._proc is None:
                 return
-            kill_group(self.pgid, self.spec.stop_timeout_s if term_timeout_s is None else term_timeout_s)
+            if term_timeout_s is None:
+                # a server still starting (no verdict yet) ignores SIGTERM until its handlers are in
+                # (vLLM: ~30 s of waiting for nothing on Ctrl-C during a launch), and has measured
+                # nothing: it gets the short grace of a failed start
+                term_timeout_s = (self.spec.stop_timeout_s if self.verdict_at is not None
+                                  else min(self.spec.stop_timeout_s, self.failed_stop_timeout_s))
+            kill_group(self.pgid, term_timeout_s)
             # a listener that left the group (setsid) would keep the port after it: it goes too
             _kill_processes(self.listener_pids)
             try:

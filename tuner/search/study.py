@@ -212,19 +212,29 @@ class Tuner:
         return study
 
     def check_same_workload(self, study: optuna.Study) -> None:
-        """A resumed study must offer every config the load its trials were measured under: a
-        changed [workload] is refused once anything was launched (before, the new one is kept)."""
+        """A resumed study must offer every config the load its trials were measured under, on the
+        same model with the same fixed flags: a changed [workload], model or [server] extra_args is
+        refused once anything was launched (before, the new one is kept). So is a categorical
+        dimension whose choices changed (Optuna cannot ask it with other choices in one study)."""
         stored = study.user_attrs.get("config") or {}
         changes = workload_changes(stored.get("workload") or {}, asdict(self.cfg.workload))
+        what = "[workload]"
         if not changes:
-            return
-        if self.launched_count(study) == 0:
+            changes, what = setup_changes(stored, self.cfg), "model or fixed flags"
+        if changes and self.launched_count(study) == 0:
             study.set_user_attr("config", study_summary(self.cfg, self.model, self.extra_args))
-            return
-        raise TunerError(
-            f"study {self.cfg.name} was measured under another [workload] ({'; '.join(changes)}): "
-            "every config of a study faces the same load. Keep the study's [workload], or run the "
-            "new one as a new study (--name NEW, or another [study] name)")
+            changes = []
+        if changes:
+            raise TunerError(
+                f"study {self.cfg.name} was measured under another {what} ({'; '.join(changes)}): "
+                "every config of a study faces the same load on the same model. Keep the study's "
+                "settings, or run the new ones as a new study (--name NEW, or another [study] name)")
+        if changed := choice_changes(study, self.cfg.dimensions):
+            raise TunerError(
+                f"study {self.cfg.name} was searched over other [space] choices ({'; '.join(changed)}): "
+                "Optuna cannot change a categorical dimension's choices within a study. Keep the "
+                "study's choices (a range may change), or search the new ones as a new study "
+                "(--name NEW)")
 
     def vllm_defaults(self) -> tuple[dict, str]:
         """What this vLLM uses on this device with the tuned flags absent, and where that came from."""
@@ -254,6 +264,8 @@ class Tuner:
         elif (Path(self.model) / "config.json").exists():
             config = json.loads((Path(self.model) / "config.json").read_text())
             defaults["max_model_len"] = config.get("max_position_embeddings")
+        if engines.get().name != "vllm":
+            return defaults, f"assumed: {engines.get().label}'s documented defaults (not read from the engine)"
         return defaults, "assumed: vLLM's defaults could not be read from the engine"
 
     def baselines(self) -> list[tuple[str, dict, dict]]:
@@ -261,7 +273,7 @@ class Tuner:
         (name, params, user attrs saying where the values came from and what was snapped)."""
         defaults, source = self.vllm_defaults()
         hand_tuned = {f.name: f.hand_tuned for f in engines.flags() if f.hand_tuned is not None}
-        builtin = [("vllm-defaults", defaults, source),
+        builtin = [(f"{engines.get().name}-defaults", defaults, source),   # vllm-defaults, llamacpp-...
                    ("hand-tuned", hand_tuned, "the hand-tuned 0.92 / 4096 / 8 of a V100 story")]
         builtin += [(b.name, dict(b.values), "the study file") for b in self.cfg.baselines]
         out, seen = [], set()
@@ -799,8 +811,8 @@ class Tuner:
             return False
         if not self.said_out_of_time:
             self.said_out_of_time = True
-            took = f"a launch here takes ~{typical / 60:.1f} min (median)" if typical else "no time left"
-            log(f"stopping: {max(left, 0) / 60:.1f} min of --time-limit left and {took}; "
+            took = f"a launch here takes ~{_span(typical)} (median)" if typical else "no time left"
+            log(f"stopping: {_span(max(left, 0))} of --time-limit left and {took}; "
                 "everything measured is kept: run the same command again to go on")
         return True
 
@@ -908,7 +920,36 @@ def workload_changes(stored: dict, now: dict) -> list[str]:
             if k in stored and k not in RESUME_TOLERANT and norm(k, stored[k]) != norm(k, now[k])]
 
 
+def _span(seconds: float) -> str:
+    """A duration as the time-limit messages say it: seconds below two minutes, else minutes."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def setup_changes(stored: dict, cfg: StudyConfig) -> list[str]:
+    """'key: then, now' for the model and the fixed flags as the study file (or command line) gave
+    them, against what the study stored when it began (studies from before these keys: none)."""
+    now = {"model_given": cfg.model, "extra_args_given": list(cfg.extra_args)}
+    return [f"{k[:-len('_given')]}: {stored[k]!r} then, {v!r} now" for k, v in now.items()
+            if k in stored and stored[k] != v]
+
+
+def choice_changes(study: optuna.Study, dimensions) -> list[str]:
+    """'name: then, now' for each categorical dimension whose stored trials were asked with other
+    choices than the space has now."""
+    from optuna.distributions import CategoricalDistribution
+
+    now = {d.name: list(d.choices) for d in dimensions if d.choices}
+    out = {}
+    for t in study.get_trials(deepcopy=False):
+        for name, dist in t.distributions.items():
+            if (name in now and name not in out and isinstance(dist, CategoricalDistribution)
+                    and list(dist.choices) != now[name]):
+                out[name] = f"{name}: {list(dist.choices)} then, {now[name]} now"
+    return list(out.values())
+
+
 def study_summary(cfg: StudyConfig, model: str, extra_args: tuple[str, ...]) -> dict:
     return {"model": model, "extra_args": list(extra_args), "source": cfg.source,
+            "model_given": cfg.model, "extra_args_given": list(cfg.extra_args),
             "dimensions": [d.name for d in cfg.dimensions],
             "workload": asdict(cfg.workload)}
