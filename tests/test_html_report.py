@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -65,6 +66,14 @@ def curve_study(tmp_path_factory):
             partial["running"] = [int(n) for n in df[df["state"] == "RUNNING"]["trial"]]
             partial["path"] = tmp / "partial.html"
             partial["path"].write_text(html.page(live, cfg), encoding="utf-8")
+            # the same snapshot as if this tuner had been killed: a pid no process has any more
+            dead = subprocess.Popen(["true"])
+            dead.wait()
+            running = next(t for t in live.get_trials(deepcopy=False) if t.state.name == "RUNNING")
+            live._storage.set_trial_user_attr(running._trial_id, "tuner_pid", dead.pid)
+            partial["orphaned"] = tmp / "orphaned.html"
+            partial["orphaned"].write_text(html.page(live, cfg), encoding="utf-8")
+            live._storage.set_trial_user_attr(running._trial_id, "tuner_pid", os.getpid())
 
     # the hand-tuned config (4 sequences after snapping) fails when launched again
     device = FakeCurveDevice(noise=0.03, seed=2, fail_relaunch_of={4}, during=snapshot)
@@ -240,6 +249,14 @@ def test_baselines_are_marked_and_their_names_escaped(curve_study, browser):
     assert page.eval("[...document.querySelectorAll('b')].filter(b => b.textContent == 'tight')"
                      ".length") == 0
     assert "&lt;b&gt;tight&lt;/b&gt; &amp; co" in curve_study.page.read_text()
+
+
+def test_report_of_a_killed_tuner_s_trial_does_not_say_the_study_is_running(curve_study, browser):
+    page = opened(browser, curve_study.partial["orphaned"])
+    assert page.errors == []
+    assert page.eval("document.getElementById('partial')") is None
+    said = page.eval("document.getElementById('orphaned').textContent")
+    assert "1 trial shown as running belongs to a tuner that is gone" in said
 
 
 def test_report_of_a_study_still_running_marks_the_running_trial(curve_study, browser):

@@ -792,6 +792,7 @@ def test_patience_stops_once_the_front_stops_changing_and_a_rerun_keeps_the_coun
     # `show` and the run's summary say how long the front has held
     assert f"unchanged beyond the noise for the last 3 of {launched} launches" in \
         report.describe_front_watch(study)
+    assert "--patience 3 stops after 3 unchanged" in report.describe_front_watch(study, 3)
     df = report.trials_frame(study)
     assert sorted(watch["front"]) == sorted(int(n) for n in df[df["pareto"]]["trial"])
     # configs of one size tie (all of them are on the front), and 64 sequences are beaten by 16

@@ -34,7 +34,7 @@ EPILOG = """examples:
 def resolve_study_file(name: str) -> Path:
     """A path, or a name under ./studies/ or the package's studies (the embedded demo)."""
     p = Path(name)
-    if p.suffix == ".toml" or p.exists() or os.sep in name:
+    if p.suffix == ".toml" or p.is_file() or os.sep in name:
         return p
     for folder in (Path("studies"), PACKAGE_STUDIES):
         if (folder / f"{name}.toml").exists():
@@ -368,7 +368,7 @@ def print_summary(study, cfg) -> None:
     if len(front):
         print(f"Pareto set ({report.plural(len(front), 'config')}):", file=sys.stderr)
         print(report.table(front), file=sys.stderr)
-        if held := report.describe_front_watch(study):
+        if held := report.describe_front_watch(study, cfg.patience):
             print(held, file=sys.stderr)
     else:
         print(report.describe_empty_front(df), file=sys.stderr)
@@ -417,7 +417,7 @@ def cmd_show(args) -> int:
         print(launch)
     if len(front):
         print(f"Pareto set: trials {', '.join(str(int(t)) for t in front['trial'])}")
-        if held := report.describe_front_watch(study):
+        if held := report.describe_front_watch(study, cfg.patience):
             print(held)
     else:
         print(report.describe_empty_front(df))

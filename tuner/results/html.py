@@ -213,10 +213,22 @@ def summary_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
     items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>"
                     for k, v in facts if not _missing(v) and v != "")
     body = f'<dl class="facts">{items}</dl>'
+    gone = 0
     if running:
-        body += (f'<p id="partial" class="partial">The study is still running: {running} '
-                 f"trial{'s' if running > 1 else ''} in progress (shown as running); "
+        from tuner.search.study import tuner_gone
+
+        gone = sum(tuner_gone({k: r.get(k) for k in ("tuner_host", "tuner_pid")})
+                   for _, r in df[df["state"] == "RUNNING"].iterrows())
+    if running - gone:
+        body += (f'<p id="partial" class="partial">The study is still running: {running - gone} '
+                 f"trial{'s' if running - gone > 1 else ''} in progress (shown as running); "
                  "this page is a snapshot. Run <code>python -m tuner report</code> again later.</p>")
+    if gone:
+        body += (f'<p id="orphaned" class="partial">{gone} trial{"s" if gone > 1 else ""} shown as '
+                 f"running {'belong' if gone > 1 else 'belongs'} to a tuner that is gone (killed): "
+                 "nothing of it was measured; "
+                 "the next <code>python -m tuner run</code> stops any server it left and queues "
+                 "the config again.</p>")
     w = config.get("workload") or {}
     if w:
         keys = ("prompt_tokens", "output_tokens", "levels", "request_rates", "max_concurrency",

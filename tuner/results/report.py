@@ -425,7 +425,7 @@ LAUNCH_PHASE_COLUMNS = ("launch_engine_start_s", "launch_weights_s", "launch_com
                         "launch_graphs_s", "launch_warmup_s", "launch_other_s")
 
 
-def describe_front_watch(study) -> str:
+def describe_front_watch(study, patience: int = 0) -> str:
     """One line on how long the front has held (what --patience counts), "" before any record."""
     from optuna.trial import TrialState
 
@@ -436,11 +436,12 @@ def describe_front_watch(study) -> str:
         return ""
     launched = launched_count(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)))
     still = max(0, launched - int(watch["changed_at"]))
+    rule = (f"--patience {patience} stops after {patience} unchanged" if patience
+            else "--patience N stops after N launches leave it unchanged")
     if still == 0:
-        return (f"front: changed by the last launch ({plural(launched, 'launch')} so far; "
-                "--patience N stops after N launches leave it unchanged)")
+        return f"front: changed by the last launch ({plural(launched, 'launch')} so far; {rule})"
     return (f"front: unchanged beyond the noise for the last {still} of {plural(launched, 'launch')} "
-            f"(last changed by launch {watch['changed_at']}; --patience N stops after N)")
+            f"(last changed by launch {watch['changed_at']}; {rule})")
 
 
 def plural(n: int, word: str) -> str:

@@ -167,4 +167,8 @@ def load_existing(cfg: StudyConfig) -> optuna.Study:
     try:
         return optuna.load_study(study_name=cfg.name, storage=storage)
     except KeyError:
-        raise TunerError(f"no study {cfg.name!r} in {cfg.storage}: run `python -m tuner run` first")
+        names = optuna.get_all_study_names(storage)
+        held = (f"; it holds {', '.join(repr(n) for n in names[:8])}{' ...' if len(names) > 8 else ''}"
+                " (--name NAME reads one)" if names else "")
+        raise TunerError(f"no study {cfg.name!r} in {cfg.storage}{held}: run `python -m tuner run` first"
+                         if not names else f"no study {cfg.name!r} in {cfg.storage}{held}")

@@ -218,7 +218,7 @@ class Tuner:
         dimension whose choices changed (Optuna cannot ask it with other choices in one study)."""
         stored = study.user_attrs.get("config") or {}
         changes = workload_changes(stored.get("workload") or {}, asdict(self.cfg.workload))
-        what = "[workload]"
+        what = "[slo]" if changes and all(c.startswith("slo_") for c in changes) else "[workload]"
         if not changes:
             changes, what = setup_changes(stored, self.cfg), "model or fixed flags"
         if changes and self.launched_count(study) == 0:
@@ -885,6 +885,26 @@ def launch_seconds(trials: list[FrozenTrial]) -> float | None:
     times.sort()
     mid = len(times) // 2
     return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+
+
+def tuner_gone(attrs) -> bool:
+    """Whether the tuner that started a RUNNING trial is known dead: it ran on this host and no
+    process has its pid any more (a trial of another host cannot be judged from here; a reused
+    pid reads as alive, the cautious side for a report)."""
+    pid = attrs.get("tuner_pid")
+    if attrs.get("tuner_host") != socket.gethostname() or not pid or pd_isna(pid):
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def pd_isna(x) -> bool:
+    return isinstance(x, float) and x != x
 
 
 def _alive(pid) -> bool:
