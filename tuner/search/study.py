@@ -892,7 +892,7 @@ def tuner_gone(attrs) -> bool:
     process has its pid any more (a trial of another host cannot be judged from here; a reused
     pid reads as alive, the cautious side for a report)."""
     pid = attrs.get("tuner_pid")
-    if attrs.get("tuner_host") != socket.gethostname() or not pid or pd_isna(pid):
+    if attrs.get("tuner_host") != socket.gethostname() or not pid or _isnan(pid):
         return False
     try:
         os.kill(int(pid), 0)
@@ -903,7 +903,7 @@ def tuner_gone(attrs) -> bool:
     return False
 
 
-def pd_isna(x) -> bool:
+def _isnan(x) -> bool:
     return isinstance(x, float) and x != x
 
 
