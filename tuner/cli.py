@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "model a preset stands for")
     add_study_options(export, tuning=False)
 
-    measure = command("measure", "launch one config, run the study's load test, print one JSON object",
+    measure = command("measure", "launch one config, run the study's load test, print one JSON object "
+                      "(exit 1 when the config failed to launch or under load)",
                       "  python -m tuner measure --gpu-memory-utilization 0.2 --max-model-len 4096 "
                       "--max-num-seqs 8\n"
                       "  python -m tuner measure --model preset:llama-3.1-8b "
