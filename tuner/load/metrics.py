@@ -78,6 +78,9 @@ def decode_tok_s(r) -> float | None:
     return (r.output_tokens - 1) / (r.latency_s - r.ttft_s)
 
 
+NO_LEVEL_MEETS = "none meets the SLOs"   # throughput_level when [slo] is set and no level meets it
+
+
 def meets_slos(r, workload) -> bool:
     """Whether a successful request meets every SLO the workload sets (ms); unset SLOs always pass."""
     if not r.ok or r.ttft_s is None:
@@ -313,7 +316,7 @@ def summarize(phases, workload) -> LoadMetrics:
     window = (ttft_lv.window_start_s, ttft_lv.window_end_s) if ttft_lv.window_start_s is not None else None
     out["ttft_ms_spread"] = _ms(iqr(steady_ttfts(tp_ok, window)))
     if thr_level is None:  # SLOs set and no level meets them: no goodput at all
-        out["throughput_level"] = "none meets the SLOs"
+        out["throughput_level"] = NO_LEVEL_MEETS
         out["throughput_tok_s"] = 0.0
         thr_level = top
     else:

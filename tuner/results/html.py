@@ -52,6 +52,7 @@ FAILURE_MEANING = {
     "port_in_use": "the server could not bind its port (another process held it)",
     "context_too_long": "the context asked for is longer than the model or the KV pool allows",
     "requirement_not_met": "measured, but below the study's [requirement] (context or concurrency)",
+    "slo_not_met": "measured, but no closed-loop load level meets the study's [slo] (no goodput)",
     "over_budget": "measured, but its peak device memory exceeds the study's memory budget: a card "
                    "of that size can run out of memory",
     "budget_spent": "queued, but the trial budget was spent before it was launched",

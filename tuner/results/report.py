@@ -323,7 +323,7 @@ def plot_projections(df: pd.DataFrame, path: Path, title: str = "") -> Path:
     counts = df["failure"].replace("", pd.NA).dropna().value_counts()
     unmeasured = ", ".join(f"{k} ×{v}" for k, v in counts.items() if k != "load_test_failed")
     fig.suptitle(f"{title}: {len(measured)} measured configs"
-                 + (f"; not measured: {unmeasured}" if unmeasured else ""), fontsize=11)
+                 + (f"; failed, skipped or infeasible: {unmeasured}" if unmeasured else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -13,6 +13,7 @@ from tuner.config import StudyConfig
 from tuner.errors import TunerError
 from tuner.records import (MAXIMIZE, OBJECTIVES, LaunchFailure, LoadMetrics, Platform, TrialOutcome,
                            is_feasible)
+from tuner.load.metrics import NO_LEVEL_MEETS
 from tuner.search import requirement, space
 
 DIRECTIONS = tuple("maximize" if MAXIMIZE[k] else "minimize" for k in OBJECTIVES)
@@ -45,13 +46,29 @@ def grade_failure(params: space.ServerParams, failure: LaunchFailure) -> float:
 
 
 def slo_violation(cfg: StudyConfig, m: LoadMetrics) -> float:
+    """How far a config misses the [slo]: 0 when some closed-loop level meets every SLO (its
+    throughput there is the goodput objective), else the top figures' worst share over their SLO
+    (at least 0.01). Missing the TTFT SLO at the top level alone is no violation: the TTFT
+    objective already carries that level's figure."""
     w = cfg.workload
+    if all(v is None for v in (w.slo_ttft_ms, w.slo_tpot_ms, w.slo_e2e_ms)):
+        return 0.0
+    if m.throughput_level and m.throughput_level != NO_LEVEL_MEETS:
+        return 0.0
     worst = 0.0
     for slo, got in ((w.slo_ttft_ms, m.ttft_ms_p90), (w.slo_tpot_ms, m.tpot_ms_p90),
                      (w.slo_e2e_ms, m.e2e_ms_p90)):
         if slo is not None and got is not None:
             worst = max(worst, got / slo - 1)
-    return worst
+    return max(worst, 0.01)
+
+
+def slo_message(cfg: StudyConfig, m: LoadMetrics) -> str:
+    w = cfg.workload
+    said = [f"{name} p90 {got:,.0f} ms > {slo:g} ms" for name, slo, got in (
+        ("TTFT", w.slo_ttft_ms, m.ttft_ms_p90), ("TPOT", w.slo_tpot_ms, m.tpot_ms_p90),
+        ("E2E", w.slo_e2e_ms, m.e2e_ms_p90)) if slo is not None and got is not None and got > slo]
+    return "no closed-loop level meets the [slo]" + (f"; at the top level {', '.join(said)}" if said else "")
 
 
 def offload_figures(cfg: StudyConfig, platform: Platform, shape, outcome: TrialOutcome) -> dict:
@@ -208,6 +225,9 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
         if m.load_test_failed:
             constraints["load_test"] = max(0.01, m.error_rate)
         constraints["slo"] = slo_violation(cfg, m)
+        if constraints["slo"] > 0 and not attrs.get("failure"):
+            attrs["failure"] = "slo_not_met"
+            attrs["failure_message"] = slo_message(cfg, m)
         short = attrs.get("roofline_shortfall", 0.0)
         if short > 0:
             # a soft constraint: the measured figures stay the trial's values, so the search is
