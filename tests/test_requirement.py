@@ -117,3 +117,47 @@ def test_a_kv_cache_short_of_the_required_sequences_violates_the_requirement():
                             {}, (0.0, 0.0, 1e5))
     assert t.attrs["failure"] == "oom_under_load" and t.constraints["memory"] > 0
     assert values == (0.0, 0.0, 1e5) and t.constraints["requirement"] == 0.0
+
+
+def test_a_baseline_below_the_requirement_is_recorded_infeasible_not_lifted_and_launched(tmp_path):
+    # the space starts at the requirement, so snapping a 512-token baseline would lift it to 2048
+    # and launch it; it is judged by the context it asked for instead
+    from fakes import FAKE_PLATFORM, FakeDevice
+    from tuner.search.study import Tuner
+
+    doc = {**BASE, "study": {"name": "req", "sampler": "random", "seed": 1, "memory_model": False,
+                             "replicates": 0},
+           "requirement": {"context_tokens": 4096},
+           "baselines": [{"name": "mine-short", "gpu_memory_utilization": 0.9, "max_model_len": 512,
+                          "max_num_seqs": 4}]}
+    cfg = parse_study(doc, "t.toml", {"storage": f"sqlite:///{tmp_path}/r.db",
+                                      "results_dir": str(tmp_path / "results")})
+    device = FakeDevice()
+    study = Tuner(cfg, measure=device, platform=FAKE_PLATFORM, progress=False).run(3)
+    mine = next(t for t in study.trials if t.user_attrs.get("baseline") == "mine-short")
+    assert mine.user_attrs["failure"] == "predicted_infeasible"
+    assert "max_model_len 512 < [requirement] context_tokens 4096" in mine.user_attrs["failure_message"]
+    assert mine.constraints["requirement"] > 0
+    launched = [p.max_model_len for p in device.launches]
+    assert launched and min(launched) >= 4096
+
+
+def test_a_context_too_short_for_the_workload_is_skipped_with_its_constraint_told(tmp_path):
+    # 3,000 + 32 tokens per request: the 2,048 context is never launched, and the sampler is told
+    # it is infeasible (before, Optuna kept the first 0.0 written and dropped the real value)
+    from fakes import FAKE_PLATFORM, FakeDevice
+    from tuner.search.study import Tuner
+
+    doc = {**BASE, "study": {"name": "short", "sampler": "random", "seed": 3, "memory_model": False,
+                             "replicates": 0},
+           "workload": {"prompt_tokens": 3000, "output_tokens": 32}}
+    cfg = parse_study(doc, "t.toml", {"storage": f"sqlite:///{tmp_path}/s.db",
+                                      "results_dir": str(tmp_path / "results")})
+    device = FakeDevice()
+    study = Tuner(cfg, measure=device, platform=FAKE_PLATFORM, progress=False).run(8)
+    skipped = [t for t in study.trials if t.params.get("max_model_len") == 2048
+               and t.user_attrs.get("failure") == "predicted_infeasible"]
+    assert skipped, [(t.params, t.user_attrs.get("failure")) for t in study.trials]
+    assert all(t.constraints["load_test"] > 0 for t in skipped)
+    assert "2048 < the workload's 3000 + 32 tokens per request" in skipped[0].user_attrs["failure_message"]
+    assert all(p.max_model_len != 2048 for p in device.launches)

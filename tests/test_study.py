@@ -149,6 +149,26 @@ def test_a_resumed_study_refuses_another_model_other_fixed_flags_or_other_choice
     assert len(device.launches) == 1
 
 
+def test_read_commands_judge_the_requirement_the_study_file_has_now(tmp_path):
+    # a stricter [requirement] after the run: show / export / report never offer a config below it
+    from tuner.records import Requirement
+
+    cfg = fake_config(tmp_path)
+    study = run(cfg, FakeDevice(), 8)
+    before = report.trials_frame(study)
+    measured = before[before["feasible"]]
+    short = int(measured["max_model_len"].min())
+    assert short < int(measured["max_model_len"].max())
+    after = report.trials_frame(study, requirement=Requirement(context_tokens=short + 1))
+    below = after[after["max_model_len"] <= short]
+    assert len(below) and not below["feasible"].any() and not below["pareto"].any()
+    assert set(below[below["state"] == "COMPLETE"]["failure"]) >= {"requirement_not_met"}
+    kept = after[(after["max_model_len"] > short) & after["trial"].isin(measured["trial"])]
+    assert kept["feasible"].all() and after["pareto"].any()
+    front, _ = export.offered_front(after)
+    assert (front["max_model_len"] > short).all()
+
+
 def test_interrupted_trial_is_failed_and_its_config_measured_on_resume(tmp_path):
     cfg = fake_config(tmp_path)
     device = FakeDevice(interrupt_at=3)

@@ -360,7 +360,7 @@ def cmd_run(args) -> int:
 def print_summary(study, cfg) -> None:
     from tuner.results import export, report
 
-    df = report.trials_frame(study, cfg.tie_tolerance)
+    df = report.trials_frame(study, cfg.tie_tolerance, cfg.requirement)
     front, warning = export.offered_front(df, cfg.tie_tolerance)
     counts = df["failure"].replace("", "measured").value_counts().to_dict()
     print(f"study {cfg.name}: {len(df)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())})",
@@ -388,7 +388,7 @@ def _study_and_frame(args):
 
     cfg = load_config(args)
     study = load_existing(cfg)
-    return cfg, study, report.trials_frame(study, cfg.tie_tolerance)
+    return cfg, study, report.trials_frame(study, cfg.tie_tolerance, cfg.requirement)
 
 
 def cmd_report(args) -> int:

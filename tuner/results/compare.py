@@ -56,7 +56,7 @@ def load_side(cfg: StudyConfig, label: str) -> Side:
 
     engines.use(cfg.engine_name)
     study = load_existing(cfg)
-    df = report.trials_frame(study, cfg.tie_tolerance)
+    df = report.trials_frame(study, cfg.tie_tolerance, cfg.requirement)
     if df.empty:
         raise TunerError(f"study {cfg.name} ({cfg.source}) has no stored trials in {cfg.storage}: "
                          "run `python -m tuner run` for it first")

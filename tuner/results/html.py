@@ -452,7 +452,7 @@ def page(study, cfg: StudyConfig, df: pd.DataFrame | None = None,
     """The whole page as one string: inline CSS, SVG plots and script; nothing fetched."""
     from optuna.trial import TrialState
 
-    df = report.trials_frame(study, cfg.tie_tolerance) if df is None else df
+    df = report.trials_frame(study, cfg.tie_tolerance, cfg.requirement) if df is None else df
     levels = report.levels_frame(study) if levels is None else levels
     duplicates = sum(1 for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
                      if t.user_attrs.get("failure") == "duplicate")

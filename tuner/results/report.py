@@ -38,7 +38,7 @@ SKIPPED = ("duplicate",)
 LEVEL_COLUMNS = ("throughput_tok_s", "ttft_ms", "ttft_ms_p90", "tpot_ms", "e2e_ms_p90", "steady")
 
 
-def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
+def trials_frame(study, tie_tolerance: float = 0.02, requirement=None) -> pd.DataFrame:
     """One row per trial (duplicates left out): params, objectives, failure, every measured attr.
 
     The objective columns are the mean over every successful launch of the config (the trial and
@@ -63,6 +63,12 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
         row.update(level_columns(a.get("levels", [])))
         row.setdefault("failure", "")
         row.setdefault("baseline", "")
+        if feasible and requirement is not None and (why := _misses_requirement(t, requirement)):
+            # the study file's [requirement] now, which may be stricter than when the trial ran:
+            # a config below it is never on the front, nor exported
+            feasible = row["feasible"] = False
+            row.update(failure="requirement_not_met", failure_message=why,
+                       constraint_requirement=1.0)
         if feasible and not row["failure"] and (over := over_budget(a, a.get("memory_budget_gib"))):
             # a trial recorded before the peak was judged against the budget: judged here too
             feasible = row["feasible"] = False
@@ -102,6 +108,21 @@ def trials_frame(study, tie_tolerance: float = 0.02) -> pd.DataFrame:
 
 # the defaults baseline's name per engine: "vllm-defaults", "llamacpp-defaults", "sglang-defaults"
 DEFAULTS_BASELINES = frozenset(f"{name}-defaults" for name in engines.NAMES)
+
+
+def _misses_requirement(t, req) -> str:
+    """Why a measured trial falls short of `req` (the context it serves, the sequences of that
+    context its KV cache held), "" when it meets it or nothing says."""
+    from tuner.search import requirement
+
+    context = engines.get().request_context(t.params)
+    if requirement.context_shortfall(context, req) > 0:
+        return f"{engines.get().request_context_name} {context} < [requirement] context_tokens {req.context_tokens}"
+    kv = t.user_attrs.get("kv_cache_tokens")
+    if requirement.capacity_shortfall(kv, req) > 0:
+        return (f"the KV cache held {kv} tokens: {requirement.sequences_at_context(kv, req.context_tokens)} "
+                f"sequences of {req.context_tokens}, [requirement] asks {req.sequences_at_context}")
+    return ""
 
 
 def defaults_point(study) -> dict:
@@ -196,7 +217,7 @@ def outcome(row) -> str:
 
 def write_trials(study, cfg: StudyConfig) -> pd.DataFrame:
     """results/<study>/trials.csv, rewritten after every trial (cheap: no plotting)."""
-    df = trials_frame(study, cfg.tie_tolerance)
+    df = trials_frame(study, cfg.tie_tolerance, cfg.requirement)
     folder = cfg.results_path
     folder.mkdir(parents=True, exist_ok=True)
     _write_csv(df, folder / "trials.csv")

@@ -292,6 +292,11 @@ class Tuner:
                 attrs = {"baseline": name, "baseline_source": origin}
                 if notes:
                     attrs["baseline_snapped"] = "; ".join(notes) + " (outside the space)"
+                asked = engines.get().request_context(values)
+                if asked is not None and asked != engines.get().request_context(snapped):
+                    # the context it asked for, before snapping: judged against [requirement]
+                    # (the space starts at the requirement, so snapping would lift it above)
+                    attrs["baseline_context"] = asked
                 out.append((name, snapped, attrs))
         return out
 
@@ -487,16 +492,20 @@ class Tuner:
         w = self.cfg.workload
         longest = engines.get().request_context(params.values())   # vLLM: max_model_len
         context_name = engines.get().request_context_name
-        below = requirement.context_shortfall(longest, self.cfg.requirement)
+        asked = trial.user_attrs.get("baseline_context")   # a baseline's own, before snapping
+        below = requirement.context_shortfall(longest if asked is None else min(asked, longest or asked),
+                                              self.cfg.requirement)
+        if below > 0 and asked is not None:
+            longest = min(asked, longest or asked)
         if below > 0:
             # cannot serve the context the user needs: no launch, a constraint (a baseline or a
             # stored trial from before the requirement; the space itself starts at the requirement)
             trial.set_user_attr("failure", "predicted_infeasible")
             trial.set_user_attr("failure_message", f"{context_name} {longest} < "
                                 f"[requirement] context_tokens {self.cfg.requirement.context_tokens}")
+            # one write per key: Optuna keeps the first value a trial's constraint was given
             for key in CONSTRAINTS:
-                trial.set_constraint(key, 0.0)
-            trial.set_constraint("requirement", below)
+                trial.set_constraint(key, below if key == "requirement" else 0.0)
             study.tell(trial, penalty_values(self.cfg, study))
             return "predicted_infeasible"
         too_short = plan.context_too_short(w, longest)
@@ -504,9 +513,9 @@ class Tuner:
             # more of a level's requests would be refused for length than a load test tolerates
             trial.set_user_attr("failure", "predicted_infeasible")
             trial.set_user_attr("failure_message", f"{context_name} {longest} < {too_short[1]}")
-            for key in CONSTRAINTS:
-                trial.set_constraint(key, 0.0)
-            trial.set_constraint("load_test", max(0.01, plan.longest_request(w) / max(longest, 1) - 1))
+            short = max(0.01, plan.longest_request(w) / max(longest, 1) - 1)
+            for key in CONSTRAINTS:   # one write per key (Optuna keeps the first)
+                trial.set_constraint(key, short if key == "load_test" else 0.0)
             study.tell(trial, penalty_values(self.cfg, study))
             return "predicted_infeasible"
         failed = self.known_infeasible(study, params)
@@ -850,7 +859,7 @@ class Tuner:
 
         confirmed: set[int] = set()
         for _ in range(4):
-            df = report.trials_frame(study, self.cfg.tie_tolerance)
+            df = report.trials_frame(study, self.cfg.tie_tolerance, self.cfg.requirement)
             todo = [int(n) for n in df[df["pareto"]]["trial"] if int(n) not in confirmed]
             if not todo:
                 return
