@@ -41,3 +41,15 @@ def test_requests_refused_for_length_are_their_own_kind_and_do_not_stop_the_stud
     assert "rejected_for_length" in m.error_kinds
     assert m.requests_failed >= 0.9 * m.requests_sent   # would stop the study as a workload error
     stop_if_every_request_failed(None, outcome)          # but refusals for length do not count
+
+
+def test_a_kv_cache_short_of_the_requirement_is_not_load_tested(tmp_path):
+    # the [requirement] asks 4 x 1,024 tokens; the server states 3,000: no request is sent
+    from dataclasses import replace
+
+    short = replace(spec(tmp_path, FAKE_KV_TOKENS="3000"), min_kv_tokens=4096)
+    outcome = measure_config(short, WORKLOAD, progress=False)
+    assert outcome.capacity.kv_cache_tokens == 3000
+    assert outcome.metrics is None and outcome.load_s == 0
+    enough = replace(spec(tmp_path / "enough", FAKE_KV_TOKENS="5000"), min_kv_tokens=4096)
+    assert measure_config(enough, WORKLOAD, progress=False).metrics is not None

@@ -467,12 +467,17 @@ def cmd_measure(args) -> int:
     cfg = checked_config(args, values)
     from tuner.load import plan
 
+    from tuner.search import requirement
+
     context = engines.get().request_context(params_from(values).values())
     too_short = plan.context_too_short(cfg.workload, context)
     if too_short is not None:
         raise TunerError(f"{engines.get().request_context_name} {context} < {too_short[1]}: every "
                          f"request would be refused for length; give a longer context or shorter "
                          f"[workload] lengths")
+    if requirement.context_shortfall(context, cfg.requirement) > 0:
+        raise TunerError(f"{engines.get().request_context_name} {context} < [requirement] "
+                         f"context_tokens {cfg.requirement.context_tokens}: the study never offers it")
     platform = detect_platform(cfg)
     check_engine_cmd(platform.engine)
     model, extra = resolve_model(cfg)
@@ -488,8 +493,22 @@ def cmd_measure(args) -> int:
     for key in ("peak_gpu_memory_bytes", "peak_gpu_server_bytes", "peak_gpu_stranger_bytes"):
         if getattr(outcome, key, None) is not None:
             out[key.replace("_bytes", "_gib")] = round(getattr(outcome, key) / 2**30, 3)
+    if cfg.memory_budget_gib:   # the flag as given is a share of the budget; the launch's of the card
+        out.update(memory_budget_gib=cfg.memory_budget_gib,
+                   searched_gpu_memory_utilization=values.get("gpu_memory_utilization"))
+    if not out["failure"]:   # what a study would also hold against it: [requirement], [slo]
+        from tuner.search.trial import slo_message, slo_violation
+
+        kv = outcome.capacity.kv_cache_tokens if outcome.capacity is not None else None
+        if requirement.capacity_shortfall(kv, cfg.requirement) > 0:
+            out.update(failure="requirement_not_met", failure_message=(
+                f"the KV cache holds {kv} tokens: {requirement.sequences_at_context(kv, cfg.requirement.context_tokens)} "
+                f"sequences of {cfg.requirement.context_tokens}, [requirement] asks "
+                f"{cfg.requirement.sequences_at_context} (not load-tested)"))
+        elif outcome.metrics is not None and slo_violation(cfg, outcome.metrics) > 0:
+            out.update(failure="slo_not_met", failure_message=slo_message(cfg, outcome.metrics))
     print(json.dumps(out, indent=2, default=str))
-    return 1 if outcome.failure_kind else 0
+    return 1 if out["failure"] else 0
 
 
 def cmd_doctor(args) -> int:

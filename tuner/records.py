@@ -33,6 +33,9 @@ class LaunchSpec:
     # > 0: a ballast process holds all of the device's free memory but this much while the server
     # runs (a memory budget emulated for real: tuner.run.ballast)
     ballast_leave_bytes: int = 0
+    # > 0: a server whose KV cache holds fewer tokens is not load-tested (the [requirement]'s
+    # sequences at its context cannot fit, whatever the load shows)
+    min_kv_tokens: int = 0
 
 
 @dataclass(frozen=True)

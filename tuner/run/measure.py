@@ -51,6 +51,9 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
                             launch_phases=tuple(server.engine.launch_phases(logged).items()))
         if isinstance(ready, LaunchFailure):
             return replace(base, failure=ready, **_peaks(sampler))
+        if spec.min_kv_tokens and ready.kv_cache_tokens and ready.kv_cache_tokens < spec.min_kv_tokens:
+            # the [requirement] cannot be met whatever the load shows: no load test
+            return replace(base, capacity=ready, **_peaks(sampler))
         t1 = time.monotonic()
         phases = run_load_test(server.base_url, spec.model, workload, progress=progress,
                                engine=spec.engine, alive=lambda: server.returncode is None)

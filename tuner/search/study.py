@@ -87,10 +87,12 @@ def launch_spec(cfg: StudyConfig, platform: Platform, model: str, extra_args: tu
     """The LaunchSpec of one config of this study (trials, confirmations and `measure` alike)."""
     ballast = (int(cfg.memory_budget_gib * 2**30)
                if cfg.memory_budget_gib and cfg.memory_budget_mode == "ballast" else 0)
+    req = cfg.requirement
     return LaunchSpec(model=model, params=params, engine=cfg.engine_name, extra_args=extra_args,
                       engine_cmd=platform.engine,
                       host=cfg.host, env=cfg.env, launch_timeout_s=cfg.launch_timeout_s,
-                      log_path=str(log_path), ballast_leave_bytes=ballast)
+                      log_path=str(log_path), ballast_leave_bytes=ballast,
+                      min_kv_tokens=(req.context_tokens or 0) * (req.sequences_at_context or 0))
 
 
 def memory_scale(cfg: StudyConfig, platform: Platform) -> float | None:
