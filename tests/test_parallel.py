@@ -322,6 +322,8 @@ def test_two_workers_share_the_budget_and_a_killed_ones_trial_is_finished_by_the
             os.killpg(proc.pid, signal.SIGKILL)
     log = stderr.read_text(errors="replace")
     assert code == 0, log[-3000:]
+    # no --gpus: one line says the workers share the device, so their figures skew each other
+    assert log.count("--parallel 2 without --gpus: the workers share") == 1
     trials = fk.trials(storage, "par")
     by_number = {t.number: t for t in trials}
 

@@ -111,6 +111,13 @@ def run(cfg: StudyConfig, argv: list[str], n_workers: int, n_trials: int, gpus: 
         raise TunerError(f"--parallel {n_workers} with {len(gpus)} GPUs (--gpus): one worker per GPU")
     if gpus:
         check_gpus(gpus)
+    elif n_workers > 1:
+        # no device of their own: the workers' servers and load tests run side by side on the same
+        # device (or CPU cores), and each one's figures carry the others' load
+        print(f"tuner: warning: --parallel {n_workers} without --gpus: the workers share this "
+              "machine's device and cores, so each figure is measured beside another worker's "
+              "server and load; give each its own GPU (--gpus 0,1) for figures a config alone "
+              "would get", file=sys.stderr)
     tuner = Tuner(cfg, progress=False, worker=first_worker)
     study = tuner.open()
     workers: dict[int, subprocess.Popen] = {}
