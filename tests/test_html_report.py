@@ -368,3 +368,19 @@ def test_every_failure_kind_an_engine_or_the_study_names_has_a_meaning():
     assert not missing, missing
     assert html.failure_meaning("oom_under_load").startswith(html.FAILURE_MEANING["oom"])
     assert "under load" in html.failure_meaning("crashed_under_load")
+
+
+def test_the_summary_names_the_length_mix_the_trace_and_the_slo():
+    from tuner.results.html import describe_workload
+
+    trace = describe_workload({"prompt_tokens": 64, "output_tokens": 32, "length_mix": "trace",
+                               "length_trace": "/x/tuner/load/traces/example.jsonl", "levels": [4, 8],
+                               "max_concurrency": 64, "slo_ttft_ms": 150.0})
+    assert "lengths from the trace example.jsonl" in trace and "levels [4, 8]" in trace
+    assert "max_concurrency" not in trace          # unused when the levels are given
+    assert "[slo] ttft_ms p90 <= 150" in trace
+    mix = describe_workload({"prompt_tokens": 64, "output_tokens": 32, "length_mix": "uniform",
+                             "prompt_tokens_mix": [100, 900], "output_tokens_mix": [16, 64],
+                             "max_concurrency": 32, "ttft_level": 8})
+    assert "uniform lengths, prompt [100, 900] output [16, 64]" in mix
+    assert "max_concurrency 32" in mix and "ttft_level 8" in mix

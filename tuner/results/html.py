@@ -232,12 +232,36 @@ def summary_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
                  "the config again.</p>")
     w = config.get("workload") or {}
     if w:
-        keys = ("prompt_tokens", "output_tokens", "levels", "request_rates", "max_concurrency",
-                "waves", "level_seconds", "warmup_requests", "replicates")
-        shown = ", ".join(f"{k} {w[k]}" for k in keys if w.get(k) not in (None, [], ())
-                          and not (k == "level_seconds" and not w[k]))
-        body += para(f"workload: {shown}")
+        body += para("workload: " + describe_workload(w))
+    req = cfg.requirement
+    if req.context_tokens:
+        body += para(f"requirement: context_tokens {req.context_tokens}"
+                     + (f", sequences_at_context {req.sequences_at_context}" if req.sequences_at_context else ""))
     return section("summary", f"tuner study {cfg.name}", body)
+
+
+def describe_workload(w: dict) -> str:
+    """The stored [workload] (and [slo]) as a reader needs it: the request lengths as they were
+    sent (a mix or a trace, not only the fixed pair), the levels, and what picks each objective."""
+    from pathlib import PurePath
+
+    mix = w.get("length_mix") or "fixed"
+    if mix == "trace":
+        lengths = f"lengths from the trace {PurePath(str(w.get('length_trace'))).name}"
+    elif mix != "fixed":
+        lengths = (f"{mix} lengths, prompt {w.get('prompt_tokens_mix')} output {w.get('output_tokens_mix')}"
+                   f" (single stream {w.get('prompt_tokens')} + {w.get('output_tokens')})")
+    else:
+        lengths = f"prompt_tokens {w.get('prompt_tokens')}, output_tokens {w.get('output_tokens')}"
+    keys = ["levels", "request_rates", "waves", "level_seconds", "warmup_requests", "ttft_level"]
+    if not w.get("levels"):
+        keys.insert(2, "max_concurrency")   # the ladder's top; with levels given it is unused
+    parts = [lengths] + [f"{k} {w[k]}" for k in keys if w.get(k) not in (None, [], (), 0, 0.0)]
+    slos = [f"{k[len('slo_'):]} p90 <= {w[k]:g}" for k in ("slo_ttft_ms", "slo_tpot_ms", "slo_e2e_ms")
+            if w.get(k) is not None]
+    if slos:
+        parts.append("[slo] " + ", ".join(slos) + " (throughput at the highest level meeting them)")
+    return ", ".join(parts)
 
 
 def noise_section(df: pd.DataFrame) -> str:
