@@ -206,6 +206,18 @@ def test_doctor_says_before_any_launch_when_no_config_can_meet_the_requirement()
                           "s.toml", {})
         return doctor_fit_lines(cfg, h100, str(preset_folder("llama-3.1-8b")))
 
+    # a requirement above every context the space keeps (the model's limit cut it): a PROBLEM,
+    # not "met" for the longest context there is
+    import dataclasses
+    cfg = parse_study({"model": {"path": "preset:llama-3.1-8b"},
+                       "space": {"gpu_memory_utilization": {"low": 0.6, "high": 0.95, "step": 0.01},
+                                 "max_model_len": {"choices": [8192, 16384]},
+                                 "max_num_seqs": {"choices": [4]}},
+                       "requirement": {"context_tokens": 8192, "sequences_at_context": 1}}, "s.toml", {})
+    cfg = dataclasses.replace(cfg, requirement=dataclasses.replace(cfg.requirement, context_tokens=65536))
+    above = [ln for ln in doctor_fit_lines(cfg, h100, str(preset_folder("llama-3.1-8b")))
+             if ln.startswith("requirement")]
+    assert len(above) == 1 and "PROBLEM: no max-model-len of the space reaches" in above[0], above
     req = [ln for ln in lines(4) if ln.startswith("requirement")]
     assert len(req) == 1 and "PROBLEM" in req[0], req
     assert "4 requests of 16,384 tokens at once need ~65,536 KV tokens" in req[0]

@@ -688,7 +688,12 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
     req = cfg.requirement
     if req.context_tokens and req.sequences_at_context:
         # the KV cache at the most memory the space gives, with the shortest context that serves it
-        serving = [n for n in lengths if n is None or n >= req.context_tokens] or lengths[-1:]
+        serving = [n for n in lengths if n is None or n >= req.context_tokens]
+        if not serving:
+            lines.append(f"requirement PROBLEM: no max-model-len of the space reaches [requirement] "
+                         f"context_tokens {req.context_tokens:,} (longest {max(lengths):,}, the "
+                         "model's limit included)")
+            return lines
         pred = mm.predict(space.scaled(dataclasses.replace(base, max_model_len=serving[0]), scale))
         need = req.sequences_at_context * req.context_tokens
         held = pred.kv_cache_tokens / req.context_tokens
