@@ -709,8 +709,9 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
 
 
 def _count(x: float) -> str:
-    """A number of requests: a fraction matters below ten (0.8: not even one at full length)."""
-    return f"{x:.1f}" if x < 10 else f"{x:,.0f}"
+    """A number of requests: a fraction matters below ten (0.8: not even one at full length);
+    above, whole requests (250.7 is 250 at once, not 251)."""
+    return f"{x:.1f}" if x < 10 else f"{int(x):,}"
 
 
 def _nothing_starts_hint(pred, platform_kind: str, dims) -> str:
