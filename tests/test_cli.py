@@ -283,3 +283,18 @@ def test_doctor_says_when_the_space_s_contexts_cannot_hold_the_workload_s_reques
     some = lines(3000)
     assert "max_model_len 2,048 and below" in some[0], some
     assert lines(500) == []
+    # a uniform mix whose longest requests exceed the shortest context by a few: within the
+    # tolerance (max_failed_share), so launched, and doctor says how many it loses
+    from tuner.load import plan
+    mixed = parse_study({"model": {"path": "preset:tiny"},
+                         "space": {"gpu_memory_utilization": {"low": 0.04, "high": 0.2, "step": 0.01},
+                                   "max_model_len": {"choices": [1024, 4096]},
+                                   "max_num_seqs": {"choices": [1, 32]}},
+                         "workload": {"prompt_tokens": 64, "output_tokens": 32, "length_mix": "uniform",
+                                      "prompt_tokens_mix": [100, 1010], "output_tokens_mix": [16, 32],
+                                      "max_failed_share": 0.2}}, "s.toml", {})
+    lost = plan.share_too_long(mixed.workload, 1024)
+    said = doctor_workload_lines(mixed)
+    assert 0 < lost <= 0.2, lost      # the mix is seeded: the same lengths every time
+    assert len(said) == 1 and "max_model_len 1,024 refuses up to 2% of a level's requests" in said[0], said
+    assert "rejected_for_length" in said[0]
