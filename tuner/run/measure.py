@@ -58,6 +58,12 @@ def _measure_once(spec, workload, on_started, progress) -> TrialOutcome:
         phases = run_load_test(server.base_url, spec.model, workload, progress=progress,
                                engine=spec.engine, alive=lambda: server.returncode is None)
         metrics = summarize(phases, workload)
+        if metrics.requests_failed > metrics.rejected_for_length:
+            # a server that dies closes its sockets before it has finished exiting: the requests
+            # fail a moment before its exit code is there to read. Give it that moment.
+            settle = time.monotonic() + 2.0
+            while server.returncode is None and time.monotonic() < settle:
+                time.sleep(0.05)
         died = None
         if server.returncode is not None:   # it exited under load: read its log again, classify
             died = died_under_load(server.read_log(), server.returncode, server.classify,
