@@ -476,8 +476,8 @@ def cmd_measure(args) -> int:
                          f"request would be refused for length; give a longer context or shorter "
                          f"[workload] lengths")
     if requirement.context_shortfall(context, cfg.requirement) > 0:
-        raise TunerError(f"{engines.get().request_context_name} {context} < [requirement] "
-                         f"context_tokens {cfg.requirement.context_tokens}: the study never offers it")
+        raise TunerError(requirement.context_message(engines.get().request_context_name, context,
+                                                     cfg.requirement) + ": the study never offers it")
     platform = detect_platform(cfg)
     check_engine_cmd(platform.engine)
     model, extra = resolve_model(cfg)
@@ -501,10 +501,8 @@ def cmd_measure(args) -> int:
 
         kv = outcome.capacity.kv_cache_tokens if outcome.capacity is not None else None
         if requirement.capacity_shortfall(kv, cfg.requirement) > 0:
-            out.update(failure="requirement_not_met", failure_message=(
-                f"the KV cache holds {kv} tokens: {requirement.sequences_at_context(kv, cfg.requirement.context_tokens)} "
-                f"sequences of {cfg.requirement.context_tokens}, [requirement] asks "
-                f"{cfg.requirement.sequences_at_context} (not load-tested)"))
+            out.update(failure="requirement_not_met",
+                       failure_message=requirement.capacity_message(kv, cfg.requirement) + " (not load-tested)")
         elif outcome.metrics is not None and slo_violation(cfg, outcome.metrics) > 0:
             out.update(failure="slo_not_met", failure_message=slo_message(cfg, outcome.metrics))
     print(json.dumps(out, indent=2, default=str))

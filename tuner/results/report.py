@@ -117,11 +117,10 @@ def _misses_requirement(t, req) -> str:
 
     context = engines.get().request_context(t.params)
     if requirement.context_shortfall(context, req) > 0:
-        return f"{engines.get().request_context_name} {context} < [requirement] context_tokens {req.context_tokens}"
+        return requirement.context_message(engines.get().request_context_name, context, req)
     kv = t.user_attrs.get("kv_cache_tokens")
     if requirement.capacity_shortfall(kv, req) > 0:
-        return (f"the KV cache held {kv} tokens: {requirement.sequences_at_context(kv, req.context_tokens)} "
-                f"sequences of {req.context_tokens}, [requirement] asks {req.sequences_at_context}")
+        return requirement.capacity_message(kv, req)
     return ""
 
 

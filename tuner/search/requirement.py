@@ -19,6 +19,18 @@ def context_shortfall(max_model_len: int | None, req: Requirement) -> float:
     return max(0.01, req.context_tokens / max_model_len - 1)
 
 
+def context_message(name: str, context: int | None, req: Requirement) -> str:
+    """Why a config's context misses the requirement, in the words every command uses."""
+    return f"{name} {context} < [requirement] context_tokens {req.context_tokens}"
+
+
+def capacity_message(kv_cache_tokens: int | None, req: Requirement) -> str:
+    """Why a launched server's KV cache misses the requirement, in the words every command uses."""
+    return (f"the KV cache holds {kv_cache_tokens} tokens: "
+            f"{sequences_at_context(kv_cache_tokens, req.context_tokens)} sequences of "
+            f"{req.context_tokens} tokens, [requirement] asks {req.sequences_at_context}")
+
+
 def capacity_shortfall(kv_cache_tokens: int | None, req: Requirement) -> float:
     """How far a launched server's KV cache misses the required sequences at context (> 0), else 0.
 

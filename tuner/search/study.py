@@ -503,8 +503,8 @@ class Tuner:
             # cannot serve the context the user needs: no launch, a constraint (a baseline or a
             # stored trial from before the requirement; the space itself starts at the requirement)
             trial.set_user_attr("failure", "predicted_infeasible")
-            trial.set_user_attr("failure_message", f"{context_name} {longest} < "
-                                f"[requirement] context_tokens {self.cfg.requirement.context_tokens}")
+            trial.set_user_attr("failure_message", requirement.context_message(
+                context_name, longest, self.cfg.requirement))
             # one write per key: Optuna keeps the first value a trial's constraint was given
             for key in CONSTRAINTS:
                 trial.set_constraint(key, below if key == "requirement" else 0.0)

@@ -215,9 +215,8 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
                                                                     cfg.requirement)
         if constraints["requirement"] > 0:
             attrs["failure"] = "requirement_not_met"
-            attrs["failure_message"] = (
-                f"the KV cache holds {outcome.capacity.kv_cache_tokens} tokens: {held} sequences of "
-                f"{context} tokens, [requirement] asks {cfg.requirement.sequences_at_context}")
+            attrs["failure_message"] = requirement.capacity_message(outcome.capacity.kv_cache_tokens,
+                                                                    cfg.requirement)
     m = outcome.metrics
     if m is not None:
         attrs.update(flat_attrs("", m))
