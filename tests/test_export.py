@@ -145,12 +145,18 @@ def test_a_cpu_build_without_vllm_serve_exports_the_module_it_ran(tmp_path, monk
     cfg = study_config(tmp_path, "preset:tiny", {"extra_args": ["--enforce-eager"]})
     study, row = run_study(cfg, engine=API_SERVER)
     e = export.exported(row, study, cfg)
-    assert list(e.argv[:5]) == ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                export.MODEL_PLACEHOLDER]
+    # the interpreter that ran the trials (a venv's python; a bare python3 may have no vLLM)
+    assert list(e.argv[:5]) == [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                                "--model", export.MODEL_PLACEHOLDER]
     assert "--enforce-eager" in e.argv and any("API-server module" in n for n in e.notes)
     # best-command.sh puts $MODEL where the placeholder is
     text = export.script(row, study, cfg)
-    assert 'exec python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --gpu' in text
+    assert (f'exec {shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server '
+            '--model "$MODEL" --gpu') in text
+    # an interpreter this machine does not have (a study copied from elsewhere): python3
+    moved = row.copy()
+    moved["command"] = row["command"].replace(sys.executable, "/nonexistent/venv/bin/python", 1)
+    assert export.exported(moved, study, cfg).argv[0] == "python3"
     # a trial that ran `vllm serve` exports `vllm serve` whatever this Python has
     study, row = run_study(study_config(tmp_path / "serve", "preset:tiny"))
     assert export.exported(row, study, cfg).argv[:2] == ("vllm", "serve")
@@ -195,3 +201,12 @@ def test_committed_h200_studies_export_faithfully(name, tmp_path, vllm_parse):
         # searched as a share of 15.77 GiB: the trial ran ~0.1 of the H200, the 16 GB card gets 0.92
         assert ns.gpu_memory_utilization > 0.5 > params["launch_gpu_memory_utilization"]
         assert "15.77 GiB" in out.stderr and "NVIDIA H200" in out.stderr and "15.77 GiB" in script
+
+
+def test_best_command_says_which_choice_wrote_it_and_why(tmp_path):
+    cfg = study_config(tmp_path, str(checkpoint_folder(tmp_path)))
+    study, row = run_study(cfg)
+    why = "trials 1, 2 tie within the noise with trial 2 (the ttft pick) on every objective"
+    text = export.script(row, study, cfg, prefer="ttft", why=why)
+    assert "export --prefer ttft`" in text and f"# {why}\n" in text
+    assert "--prefer balanced" in export.script(row, study, cfg)

@@ -435,7 +435,8 @@ def cmd_export(args) -> int:
     row = export.choose(front, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance)
     exported = export.exported(row, study, cfg, keep_dummy=args.keep_dummy, warning=warning)
     print(f"# {args.prefer}: {report.describe_figures(row, df.attrs.get('noise'))}", file=sys.stderr)
-    if why := export.choice_note(front, row, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance):
+    why = export.choice_note(front, row, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance)
+    if why:
         print(f"# {why}", file=sys.stderr)
     for note in exported.notes:
         print(f"# {note}", file=sys.stderr)
@@ -445,7 +446,8 @@ def cmd_export(args) -> int:
         print(exported.command())
     cfg.results_path.mkdir(parents=True, exist_ok=True)
     (cfg.results_path / "best-command.sh").write_text(
-        export.script(row, study, cfg, keep_dummy=args.keep_dummy, warning=warning))
+        export.script(row, study, cfg, keep_dummy=args.keep_dummy, warning=warning,
+                      prefer=args.prefer, why=why))
     return 0
 
 

