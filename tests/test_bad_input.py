@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -211,9 +212,9 @@ def test_results_folder_of_another_study(tmp_path, model):
     (["--trials", "0"], ["--trials", "at least 1"]),
     (["--trials", "many"], ["--trials", "whole number"]),
     (["--sampler", "magic"], ["--sampler", "invalid choice"]),
-    (["--launch-timeout", "0"], ["launch_timeout_s", "> 0"]),
+    (["--launch-timeout", "0"], ["command line: --launch-timeout: must be > 0"]),
     (["--launch-timeout", "soon"], ["--launch-timeout", "expected a number", "soon"]),
-    (["--memory-budget-gib", "-16"], ["memory_budget_gib", "> 0"]),
+    (["--memory-budget-gib", "-16"], ["command line: --memory-budget-gib: must be > 0"]),
     (["--name", "a/b"], ["study.name"]),
     (["--patience", "-1"], ["study.patience", ">= 0"]),
     (["--memory-budget-gib", "nan"], ["--memory-budget-gib", "finite", "'nan'"]),
@@ -441,3 +442,17 @@ def test_compare_with_a_study_not_in_its_storage_creates_no_database(tmp_path, m
                        env={**os.environ, "PYTHONPATH": str(fk.REPO)})
     assert_refused(tmp_path, p, "no study 'a'")
     assert sorted(f.name for f in tmp_path.iterdir()) == ["a.toml", "b.toml", "engine.py"]
+
+
+def test_measure_refuses_a_config_json_the_memory_model_cannot_read_as_run_does(tmp_path, model):
+    broken = tmp_path / "broken-model"
+    shutil.copytree(model, broken)
+    config = json.loads((broken / "config.json").read_text())
+    del config["hidden_size"]
+    (broken / "config.json").write_text(json.dumps(config))
+    doc = good_doc(tmp_path, str(broken))
+    doc["study"]["memory_model"] = True
+    p = run_measure(tmp_path, doc, GOOD)
+    assert p.returncode == 2, p.stderr
+    assert "missing hidden_size" in p.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "LAUNCHED").exists()

@@ -193,3 +193,26 @@ def test_a_stream_whose_chunks_arrived_together_is_not_timed_by_the_client():
                         after=((itl + "_sum", 124 * 0.0035), (itl + "_count", 124.0)))
     m = summarize([only_bursts], Workload())
     assert m.single_stream_source == "server_itl" and m.single_stream_tok_s == pytest.approx(1 / 0.0035)
+
+
+def test_llamacpp_single_stream_falls_back_to_its_decode_counters_when_streams_arrive_in_one_read():
+    # llama.cpp has no ITL histogram; its /metrics counts decoded tokens and the seconds spent
+    from tuner import engines
+
+    whole = [RequestResult(ok=True, output_tokens=32, prompt_tokens=8, ttft_s=0.1, latency_s=0.1)
+             for _ in range(4)]
+    engines.use("llamacpp")
+    try:
+        single = phase("single_stream", whole, 1.0,
+                       before=(("llamacpp:tokens_predicted_total", 10.0),
+                               ("llamacpp:tokens_predicted_seconds_total", 0.5)),
+                       after=(("llamacpp:tokens_predicted_total", 138.0),
+                              ("llamacpp:tokens_predicted_seconds_total", 1.0)))
+        m = summarize([single], Workload())
+        assert m.single_stream_source == "server_decode"
+        assert m.single_stream_tok_s == pytest.approx(128 / 0.5)
+        # no counters either: nothing stands in, and the metrics say why
+        m = summarize([phase("single_stream", [req(0.1, (3e-6,) * 31)] * 4, 1.0)], Workload())
+        assert m.single_stream_tok_s is None and m.single_stream_source == "untimed"
+    finally:
+        engines.use("vllm")

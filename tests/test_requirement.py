@@ -161,3 +161,22 @@ def test_a_context_too_short_for_the_workload_is_skipped_with_its_constraint_tol
     assert all(t.constraints["load_test"] > 0 for t in skipped)
     assert "2048 < the workload's 3000 + 32 tokens per request" in skipped[0].user_attrs["failure_message"]
     assert all(p.max_model_len != 2048 for p in device.launches)
+
+
+def test_an_untimed_single_stream_says_why_it_has_no_figure():
+    # seen on a busy 2-core box with llama.cpp: every single-stream response came in one read
+    from types import SimpleNamespace
+
+    from tuner.records import Capacity, LoadMetrics, TrialOutcome
+    from tuner.search.space import ServerParams
+    from tuner.search.trial import describe, record_outcome
+
+    m = LoadMetrics(throughput_tok_s=900.0, ttft_ms=80.0, single_stream_source="untimed",
+                    requests_sent=68, requests_failed=0)
+    t = RecordingTrial()
+    record_outcome(t, study(), TrialOutcome(ServerParams(0.9, 4096, 8), capacity=Capacity(kv_cache_tokens=40000),
+                                            metrics=m), {}, (0.0, 0.0, 1e5))
+    assert t.attrs["failure"] == "load_test_failed" and t.constraints["load_test"] == 1.0
+    assert "arrived in one read" in t.attrs["failure_message"]
+    line = describe(SimpleNamespace(number=3, user_attrs=t.attrs))
+    assert "arrived in one read" in line and "0 of 68 requests failed" not in line

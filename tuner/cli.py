@@ -54,7 +54,10 @@ def add_study_options(p: argparse.ArgumentParser, tuning: bool = True) -> None:
                    help="results folder (default: results; files land in DIR/NAME/)")
     if not tuning:
         return
-    g.add_argument("--model", help="model folder, HF id or preset:NAME (overrides the study file)")
+    from tuner.models.presets import PRESETS
+
+    g.add_argument("--model", help="model folder, HF id or preset:NAME (overrides the study file); "
+                                   f"presets: tiny, {', '.join(PRESETS)}")
     g.add_argument("--engine", metavar="CMD",
                    help="command that starts vLLM, e.g. '/opt/venv/bin/vllm serve' "
                         "(default: `vllm serve`, else python -m vllm.entrypoints.openai.api_server)")
@@ -290,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "are warned about:\nthen the figures are not like for like.\n")
     compare.add_argument("--study", action="append", default=[], metavar="FILE|NAME",
                          help="a study file, or a name under studies/; give two or more")
+    compare.add_argument("--storage", action="append", default=[], metavar="URL",
+                         help="Optuna storage URL, as show/export/report take it: once for every "
+                              "study, or once per --study in the same order (default: each "
+                              "study file's own)")
     compare.add_argument("--out", metavar="DIR",
                          help="where compare.csv and compare.png go "
                               "(default: results/compare-A-B/)")
@@ -357,6 +364,10 @@ def cmd_run(args) -> int:
     return 0
 
 
+RESULT_FILES = ("trials.csv", "pareto.csv", "levels.csv", "noise.json", "pareto.png", "curves.png",
+                "parameters.png", "best-command.sh", "report.html")
+
+
 def print_summary(study, cfg) -> None:
     from tuner.results import export, report
 
@@ -373,8 +384,8 @@ def print_summary(study, cfg) -> None:
             print(held, file=sys.stderr)
     else:
         print(report.describe_empty_front(df), file=sys.stderr)
-    print(f"results: {cfg.results_path}/ (trials.csv, pareto.csv, levels.csv, noise.json, "
-          "pareto.png, curves.png, parameters.png, best-command.sh, report.html)", file=sys.stderr)
+    written = [p.name for p in (cfg.results_path / n for n in RESULT_FILES) if p.exists()]
+    print(f"results: {cfg.results_path}/ ({', '.join(written)})", file=sys.stderr)
     if len(front):
         if warning:
             print(f"tuner: {warning}", file=sys.stderr)
@@ -483,6 +494,9 @@ def cmd_measure(args) -> int:
     platform = detect_platform(cfg)
     check_engine_cmd(platform.engine)
     model, extra = resolve_model(cfg)
+    if cfg.use_memory_model and os.path.isdir(model):
+        # a config.json the memory model cannot read is refused as `run` refuses it (exit 2)
+        engines.get().memory_model(model, platform.memory_total_bytes, platform.kind)
     params = scaled(params_from(values), memory_scale(cfg, platform))
     if platform.kind == "cuda":
         devices.check_gpu_free(int(params.gpu_memory_utilization * platform.memory_total_bytes),
@@ -573,7 +587,7 @@ def cmd_doctor(args) -> int:
 def cmd_compare(args) -> int:
     from tuner.results import compare
 
-    sides = compare.load_sides(args.study, resolve_study_file)
+    sides = compare.load_sides(args.study, resolve_study_file, args.storage)
     if warning := compare.mismatch(sides):
         print(f"tuner: {warning}", file=sys.stderr)
     out = Path(args.out) if args.out else compare.default_out(sides)

@@ -587,11 +587,15 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     timeout = overrides.get("launch_timeout_s")
     timeout = server.get("launch_timeout_s", 600.0) if timeout is None else timeout
     if timeout <= 0:
-        raise _fail(source, "server.launch_timeout_s", f"must be > 0, got {timeout}")
+        given = "launch_timeout_s" in overrides and overrides["launch_timeout_s"] is not None
+        raise _fail(*(("command line", "--launch-timeout") if given
+                      else (source, "server.launch_timeout_s")), f"must be > 0, got {timeout}")
     budget = overrides.get("memory_budget_gib")
     budget = server.get("memory_budget_gib") if budget is None else budget
     if budget is not None and budget <= 0:
-        raise _fail(source, "server.memory_budget_gib", f"must be > 0, got {budget}")
+        given = overrides.get("memory_budget_gib") is not None
+        raise _fail(*(("command line", "--memory-budget-gib") if given
+                      else (source, "server.memory_budget_gib")), f"must be > 0, got {budget}")
     budget_mode = server.get("memory_budget_mode", "share")
     if budget_mode not in MEMORY_BUDGET_MODES:
         raise _fail(source, "server.memory_budget_mode", f"unknown mode {budget_mode!r}",

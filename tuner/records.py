@@ -272,7 +272,9 @@ class LoadMetrics:
     ttft_ms_mean: float | None = None
     ttft_ms_all: float | None = None      # p50 over every request of the TTFT level, first wave included
     single_stream_ttft_ms: float | None = None
-    single_stream_source: str = ""        # "client" | "server_itl" (streams came in one read)
+    # "client" | "server_itl" or "server_decode" (the streams came in one read, the server's own
+    # timing stood in) | "untimed" (they came in one read and the server exports no timing)
+    single_stream_source: str = ""
     tpot_ms: float | None = None          # p50
     tpot_ms_p90: float | None = None
     tpot_ms_p99: float | None = None

@@ -126,7 +126,10 @@ class LlamaCpp:
     server_counters = SERVER_COUNTERS
     metric_prefix = "llamacpp:"
     # no preemption, KV usage or latency histograms on its /metrics: those figures stay None
-    metric_names = {"requests_waiting": "llamacpp:requests_deferred"}
+    metric_names = {"requests_waiting": "llamacpp:requests_deferred",
+                    # counters of decoded tokens and of the seconds spent decoding them
+                    "decode_tokens": "llamacpp:tokens_predicted_total",
+                    "decode_seconds": "llamacpp:tokens_predicted_seconds_total"}
     tokenizer_api = TOKENIZER_API
     keep_alive = False   # a connection serves more than one streamed request
     api_key_env = "LLAMA_API_KEY"

@@ -284,9 +284,18 @@ def summarize(phases, workload) -> LoadMetrics:
             # Every stream arrived together (a starved client on a busy CPU sees this), so the
             # client cannot time decoding; the server's own inter-token histogram over the phase can.
             itl_ms = _hist_mean_ms(single, _sample_name("itl_seconds"))
+            tokens = _delta(single, _sample_name("decode_tokens"))
+            seconds = _delta(single, _sample_name("decode_seconds"))
             if itl_ms:
                 out["single_stream_tok_s"] = 1e3 / itl_ms
                 out["single_stream_source"] = "server_itl"
+            elif tokens and seconds:
+                # an engine without an ITL histogram (llama.cpp) counts decoded tokens and the
+                # seconds spent decoding them: at concurrency 1 their ratio is the decode rate
+                out["single_stream_tok_s"] = tokens / seconds
+                out["single_stream_source"] = "server_decode"
+            elif any(coalesced(r) for r in single.requests if r.ok):
+                out["single_stream_source"] = "untimed"   # said in the trial's failure message
         out["single_stream_ttft_ms"] = _ms(percentile(
             [r.ttft_s for r in single.requests if r.ok and r.ttft_s is not None], 50))
 

@@ -253,6 +253,11 @@ def record_outcome(trial: optuna.Trial, cfg: StudyConfig, outcome: TrialOutcome,
             constraints["load_test"] = 1.0
             attrs["failure"] = "load_test_failed"
             attrs["failure_message"] = "no measurement of " + ", ".join(missing)
+            if "single_stream_tok_s" in missing and m.single_stream_source == "untimed":
+                attrs["failure_message"] += (
+                    ": every single-stream response arrived in one read (a client starved of "
+                    "CPU, or a buffering proxy), so its decode cannot be timed, and the server "
+                    "exports no decode timing to stand in; give the tuner an idle CPU core")
         if constraints["requirement"] > 0:
             values = penalty if penalty is not None else penalty_values(cfg)
             attrs["failure"] = "requirement_not_met"
@@ -354,6 +359,8 @@ def predicted_grade(params: space.ServerParams, prediction) -> float:
 
 def describe(t: FrozenTrial) -> str:
     a = t.user_attrs
+    if a.get("failure") == "load_test_failed" and not a.get("requests_failed"):
+        return f"trial {t.number}: load_test_failed ({str(a.get('failure_message', ''))[:300]})"
     if a.get("failure") == "load_test_failed":
         return (f"trial {t.number}: load_test_failed ({a.get('requests_failed', '?')} of "
                 f"{a.get('requests_sent', '?')} requests failed: {str(a.get('top_error', ''))[:120]})")
