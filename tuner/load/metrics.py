@@ -291,8 +291,11 @@ def summarize(phases, workload) -> LoadMetrics:
                 out["single_stream_source"] = "server_itl"
             elif tokens and seconds:
                 # an engine without an ITL histogram (llama.cpp) counts decoded tokens and the
-                # seconds spent decoding them: at concurrency 1 their ratio is the decode rate
-                out["single_stream_tok_s"] = tokens / seconds
+                # seconds spent decoding them, which time each request's tokens after its first
+                # (llama.cpp's predicted_per_token_ms is predicted_ms / (n - 1)): at concurrency 1,
+                # (tokens - requests) / seconds is the decode rate
+                served = sum(1 for r in single.requests if r.ok)
+                out["single_stream_tok_s"] = max(tokens - served, 0) / seconds
                 out["single_stream_source"] = "server_decode"
             elif any(coalesced(r) for r in single.requests if r.ok):
                 out["single_stream_source"] = "untimed"   # said in the trial's failure message
