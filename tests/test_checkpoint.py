@@ -103,6 +103,16 @@ def test_folders_that_are_no_model_say_why(tmp_path, make, problem):
         checkpoint.resolve_model(cfg_for(str(tmp_path / "m")))
 
 
+@pytest.mark.parametrize("name, fix", [("model.json", "give the folder that holds config.json)"),
+                                       ("config.json", "give the folder that holds config.json: ")])
+def test_a_file_given_as_the_model_is_not_called_a_missing_folder(tmp_path, name, fix):
+    path = config_json(tmp_path / "m") / name
+    path.write_text("{}")
+    with pytest.raises(ModelNotFound, match="is a file, not a folder") as err:
+        checkpoint.resolve_model(cfg_for(str(path)))
+    assert fix in str(err.value) and "does not exist" not in str(err.value)
+
+
 def hf_cache(home: Path, repo_id: str, files: dict[str, bytes]) -> Path:
     """The layout huggingface_hub leaves: hub/models--org--name/{refs/main, snapshots/REV/...}."""
     repo = home / "hub" / ("models--" + repo_id.replace("/", "--"))

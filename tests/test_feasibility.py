@@ -444,3 +444,193 @@ def test_capacity_reads_the_graph_lines():
     assert parse_capacity(newer).cuda_graph_estimate_gib == 0.61
     off = newer + "WARNING CUDA graph memory profiling is disabled (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0).\n"
     assert parse_capacity(off).cuda_graph_estimate_gib is None
+
+
+# ---------------------------------------------------------------- layouts vLLM reads from config.json
+
+TINY_CONFIG = json.loads((TINY_MODEL / "config.json").read_text())
+# The tester's Gemma-2 folder: the tiny shape with Gemma-2's published keys (no layer_types).
+TINY_GEMMA2 = {**TINY_CONFIG, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+               "head_dim": 128, "num_key_value_heads": 2, "tie_word_embeddings": True,
+               "max_position_embeddings": 8192, "sliding_window": 1024,
+               "cache_implementation": "hybrid", "query_pre_attn_scalar": 128}
+# google/gemma-2-9b's config.json as published: float32, no tie_word_embeddings, no layer_types.
+GEMMA2_9B = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 3584,
+             "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000,
+             "max_position_embeddings": 8192, "sliding_window": 4096,
+             "cache_implementation": "hybrid", "query_pre_attn_scalar": 256,
+             "torch_dtype": "float32"}
+
+
+def shape_of(config: dict, folder, **kwargs) -> ModelShape:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return model_shape(str(folder), **kwargs)
+
+
+# The sliding layers vLLM 0.32's ModelConfig gives each (its hf_text_config's layer_types, or
+# every layer where it has none), checked on these folders.
+@pytest.mark.parametrize("extra, sliding", [
+    ({"model_type": "gemma2", "num_hidden_layers": 5, "sliding_window": 512}, 3),
+    ({"model_type": "gemma3_text", "num_hidden_layers": 13, "sliding_window": 512}, 11),
+    ({"model_type": "gemma3_text", "num_hidden_layers": 12, "sliding_window": 512,
+      "sliding_window_pattern": 4}, 9),
+    ({"model_type": "cohere2", "num_hidden_layers": 8, "sliding_window": 512}, 6),
+    ({"model_type": "mistral", "sliding_window": 512}, 4),
+    ({"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True,
+      "max_window_layers": 4}, 0),
+    ({"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True,
+      "max_window_layers": 0}, 4),
+    ({"model_type": "qwen3", "sliding_window": 512}, 0),
+    ({"model_type": "gemma2", "sliding_window": 512,
+      "layer_types": ["full_attention", "sliding_attention"] * 2}, 2),
+])
+def test_sliding_layers_are_laid_out_as_vllm_reads_the_config(tmp_path, extra, sliding):
+    shape = shape_of({**TINY_CONFIG, **extra}, tmp_path)
+    assert shape.num_sliding_layers == sliding
+    assert (shape.sliding_window is None) == (sliding == 0)
+
+
+def test_an_unknown_family_with_a_window_and_no_layer_types_counts_as_full_attention(tmp_path):
+    shape = shape_of({**TINY_CONFIG, "model_type": "somebody_new", "sliding_window": 512}, tmp_path)
+    assert shape.num_sliding_layers == 0 and shape.sliding_window is None
+
+
+def test_gemma3_groups_five_sliding_layers_to_one_full_as_vllm_does(tmp_path):
+    # gemma-3-1b: 26 layers, 22 sliding: groups of 4 layers, 1 full and 6 sliding (one padded)
+    shape = shape_of({**TINY_CONFIG, "model_type": "gemma3_text", "num_hidden_layers": 26,
+                      "sliding_window": 512}, tmp_path)
+    assert shape.kv_groups() == (1, 6, 4)
+    assert shape.kv_bytes(4096) == (4 * 4096 + 22 * 512) * shape.kv_bytes_per_layer_token()
+
+
+def GEMMA2_AT(length: int) -> ServerParams:
+    """The launches below: gmu 0.05 of the host, 4 sequences, eager."""
+    return ServerParams(gpu_memory_utilization=0.05, max_model_len=length, max_num_seqs=4,
+                        enforce_eager=True)
+
+
+def test_gemma2_alternates_sliding_and_full_layers_as_vllm_logged(tmp_path):
+    # vLLM 0.32 CPU build, the tester's gemma2 folder at gmu 0.05: "CPU KV cache size: 142,856
+    # tokens, Maximum concurrency for 4,096 tokens per request: 34.88x" (1,988 blocks of 128), and
+    # 182,893 tokens, 22.33x at 8,192 (1,987 blocks).
+    shape = shape_of(TINY_GEMMA2, tmp_path)
+    assert (shape.num_sliding_layers, shape.kv_groups()) == (2, (1, 1, 2))
+    model = MemoryModel(shape, int(23.54 * GIB), "cpu")
+    # a full layer takes 32 blocks at 4,096 tokens; a sliding one (1,023 + 2,048 in flight) 24 + 1
+    assert model.blocks_per_request(model.resolve(GEMMA2_AT(4096))) == 57
+    assert model.blocks_per_request(model.resolve(GEMMA2_AT(8192))) == 89
+    model.observe_ready(GEMMA2_AT(4096), Capacity(kv_cache_gib=0.49, kv_cache_tokens=142856,
+                                                  max_concurrency=34.88, num_gpu_blocks=1988,
+                                                  block_size=128))
+    assert model.predict(GEMMA2_AT(4096)).kv_cache_tokens == 142856
+    longer = model.predict(GEMMA2_AT(8192))
+    assert longer.kv_cache_tokens == pytest.approx(182893, rel=0.001)
+    assert longer.max_concurrency == pytest.approx(22.33, abs=0.02)
+
+
+def test_gemma2_before_any_launch_errs_towards_fewer_tokens(tmp_path):
+    # Every layer counted as sliding said 151,381 and 302,762 tokens (vLLM: 142,856 and 182,893).
+    model = MemoryModel(shape_of(TINY_GEMMA2, tmp_path), int(23.54 * GIB), "cpu")
+    for length, logged in ((4096, 142856), (8192, 182893)):
+        p = model.predict(GEMMA2_AT(length))
+        assert 0.8 * logged < p.kv_cache_tokens <= logged
+
+
+def test_gemma3_pads_its_sliding_groups_as_vllm_logged(tmp_path):
+    # vLLM 0.32 CPU build, 26 layers of gemma3_text (22 sliding, window 512) at gmu 0.05: "Add 2
+    # padding layers", "CPU KV cache size: 44,822 tokens, Maximum concurrency for 4,096 tokens per
+    # request: 10.94x" (1,729 blocks of 128): 32 blocks of the full group + 6 x 21 sliding.
+    shape = shape_of({**TINY_CONFIG, "model_type": "gemma3_text", "num_hidden_layers": 26,
+                      "num_key_value_heads": 1, "head_dim": 128, "sliding_window": 512}, tmp_path)
+    model = MemoryModel(shape, int(23.54 * GIB), "cpu")
+    assert model.blocks_per_request(model.resolve(GEMMA2_AT(4096))) == 158
+    model.observe_ready(GEMMA2_AT(4096), Capacity(kv_cache_gib=0.42, kv_cache_tokens=44822,
+                                                  max_concurrency=10.94, num_gpu_blocks=1729,
+                                                  block_size=128))
+    assert model.predict(GEMMA2_AT(4096)).kv_cache_tokens == 44822
+
+
+def test_the_roofline_reads_a_sliding_layer_up_to_its_window(tmp_path):
+    shape = shape_of(TINY_GEMMA2, tmp_path)
+    per_layer = shape.kv_bytes_per_layer_token()
+    assert shape.kv_bytes(512) == 4 * 512 * per_layer
+    assert shape.kv_bytes(8192) == (2 * 8192 + 2 * 1024) * per_layer
+
+
+# ---------------------------------------------------------------- the dtype vLLM serves in
+
+def test_a_float32_config_is_served_in_bfloat16(tmp_path):
+    # vllm.config.ModelConfig(model=..., dtype="auto") on the tester's fp32 folder: torch.bfloat16
+    fp32 = shape_of({**TINY_CONFIG, "torch_dtype": "float32"}, tmp_path / "fp32")
+    bf16 = model_shape(str(TINY_MODEL))
+    assert fp32.dtype_bytes == 2 and fp32.weights_bytes == bf16.weights_bytes
+    assert fp32.kv_bytes_per_token() == bf16.kv_bytes_per_token()
+    params = ServerParams(gpu_memory_utilization=0.2, max_model_len=1024, max_num_seqs=4)
+    tokens = [MemoryModel(s, CPU_TOTAL, "cpu").predict(params).kv_cache_tokens for s in (fp32, bf16)]
+    assert tokens[0] == tokens[1]
+
+
+def test_an_explicit_dtype_wins(tmp_path):
+    folder = tmp_path / "fp32"
+    shape_of({**TINY_CONFIG, "torch_dtype": "float32"}, folder)
+    assert model_shape(str(folder), dtype="float32").dtype_bytes == 4
+    assert model_shape(str(folder), dtype="auto").dtype_bytes == 2
+    assert model_shape(str(TINY_MODEL), dtype="float32").weights_bytes == 2 * model_shape(
+        str(TINY_MODEL)).weights_bytes
+
+
+def test_a_float32_checkpoint_on_disk_loads_at_half_its_size(tmp_path):
+    folder = tmp_path / "fp32"
+    shape_of({**TINY_CONFIG, "torch_dtype": "float32"}, folder)
+    (folder / "model.safetensors").write_bytes(b"\0" * 4000)
+    shape = model_shape(str(folder))
+    assert shape.weights_from_files and shape.weights_bytes == 2000
+
+
+def test_gemma2_9b_as_published_is_its_model_card_in_bfloat16(tmp_path):
+    # 9.24 B parameters (the lm_head tied to the embeddings, as transformers defaults Gemma),
+    # ~17.2 GiB in bfloat16; counted untied in float32 it was ~37.8 GiB.
+    shape = shape_of(GEMMA2_9B, tmp_path)
+    assert shape.param_count / 1e9 == pytest.approx(9.24, abs=0.01)
+    assert shape.weights_bytes == shape.param_count * 2
+    assert shape.num_sliding_layers == 21
+
+
+@pytest.mark.parametrize("model_type, tied", [("gemma", True), ("gemma2", True),
+                                              ("gemma3_text", True), ("llama", False),
+                                              ("qwen2", False)])
+def test_a_missing_tie_word_embeddings_takes_the_family_default(tmp_path, model_type, tied):
+    config = {k: v for k, v in TINY_CONFIG.items() if k != "tie_word_embeddings"}
+    untied = shape_of({**TINY_CONFIG, "model_type": model_type}, tmp_path / "untied")
+    shape = shape_of({**config, "model_type": model_type}, tmp_path / "default")
+    head = TINY_CONFIG["vocab_size"] * TINY_CONFIG["hidden_size"]
+    assert untied.param_count - shape.param_count == (head if tied else 0)
+
+
+# ---------------------------------------------------------------- weights beyond the device
+
+def test_weights_beyond_the_device_are_certain_not_to_start(tmp_path):
+    from tuner.search.feasibility import weights_exceed_device
+
+    shape = model_shape(str(write_model_folder(PRESETS["llama-3.1-70b"], tmp_path)))
+    host = MemoryModel(shape, int(23.54 * GIB), "cpu")
+    for length in (4096, 131072):
+        p = host.predict(ServerParams(gpu_memory_utilization=0.92, max_model_len=length))
+        assert not p.fits and not p.uncertain and "weights" in p.reason
+    reason = weights_exceed_device(host, cpu_offload_gb=100)   # offload moves nothing on the CPU build
+    assert "131.4 GiB" in reason and "23.5 GiB" in reason and "smaller or quantized" in reason
+    h100 = MemoryModel(shape, 80 * GIB, "cuda")
+    assert "--cpu-offload-gb" in weights_exceed_device(h100)
+    assert weights_exceed_device(h100, cpu_offload_gb=70) is None
+    assert "budget" in weights_exceed_device(MemoryModel(shape, H200_BYTES, "cuda"),
+                                             memory_budget_gib=80)
+    assert weights_exceed_device(MemoryModel(shape, H200_BYTES, "cuda")) is None
+
+
+def test_weights_near_the_share_stay_uncertain_before_a_launch(llama8b):
+    # ~15 GiB of weights in a 14.9 GiB share: within the estimate's tolerance, so not sure
+    model = MemoryModel(llama8b, 16 * GIB, "cuda")
+    p = model.predict(ServerParams(gpu_memory_utilization=0.93, max_model_len=4096))
+    assert not p.fits and p.uncertain

@@ -107,6 +107,9 @@ def find_checkpoint(folder: Path) -> tuple[Path, list[Path]]:
 def _local(model: str, path: Path) -> tuple[str, bool]:
     if path.is_file() and path.suffix == ".gguf":
         return str(path), False
+    if path.exists() and not path.is_dir():
+        raise ModelNotFound(model, "is a file, not a folder", "give the folder that holds config.json"
+                            + (f": {path.parent}" if path.name in CONFIG_FILES else ""))
     if not path.is_dir():
         raise ModelNotFound(model, "the folder does not exist", "give a folder with config.json, an HF id "
                             "(org/name) or preset:NAME")

@@ -29,6 +29,11 @@ _BASE_RUNTIME_BYTES = {"cpu": int(0.72 * GIB), "cuda": int(0.15 * GIB)}
 # The margin (a fraction of the non-weight overhead) inside which a prediction is "uncertain".
 DEFAULT_MARGIN = 0.10
 
+# How far the weights estimate may run over what vLLM loads (param counts matched model cards
+# within 1 %; MLA checkpoints are counted 4 % high): weights beyond the share by more than this
+# cannot start, launched or not.
+WEIGHTS_TOLERANCE = 0.10
+
 # Failure kinds that say something about the KV budget; others (timeouts, crashes, a busy port,
 # free memory taken by other processes) are facts about the machine, not about the config.
 _BUDGET_FAILURES = frozenset({"kv_cache_too_small", "no_cache_blocks", "oom"})
@@ -41,8 +46,8 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype_bytes: int
-    sliding_window: int | None       # only when every layer uses it (then KV per request is capped)
+    dtype_bytes: int                 # the dtype vLLM serves in (float32 configs run as bfloat16)
+    sliding_window: int | None       # the window of the layers that slide (None: none does)
     quantization: str | None         # quant_method of quantization_config, if any
     vocab_size: int
     hidden_size: int
@@ -52,13 +57,52 @@ class ModelShape:
     max_position_embeddings: int = 2048   # vLLM's derived max-model-len (rope factor, tokenizer cap)
     kv_lora_rank: int | None = None       # MLA models cache one latent per layer instead of K and V
     weights_from_files: bool = False
+    sliding_layers: int | None = None     # how many layers slide; None with a window: every layer
+
+    @property
+    def num_sliding_layers(self) -> int:
+        if self.sliding_window is None:
+            return 0
+        return self.num_layers if self.sliding_layers is None else min(self.sliding_layers,
+                                                                       self.num_layers)
+
+    @property
+    def every_layer_slides(self) -> bool:
+        return self.sliding_window is not None and self.num_sliding_layers == self.num_layers
+
+    def kv_bytes_per_layer_token(self, kv_dtype_bytes: float | None = None) -> float:
+        """KV cache bytes of one token in one layer: 2 · kv_heads · head_dim · bytes."""
+        per_value = self.dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+        if self.kv_lora_rank is not None:  # MLA: latent + rope part, no separate K and V
+            return (self.kv_lora_rank + self.head_dim) * per_value
+        return 2 * self.num_kv_heads * self.head_dim * per_value
 
     def kv_bytes_per_token(self, kv_dtype_bytes: float | None = None) -> float:
         """KV cache bytes per token over all layers: 2 · layers · kv_heads · head_dim · bytes."""
-        per_value = self.dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
-        if self.kv_lora_rank is not None:  # MLA: latent + rope part, no separate K and V
-            return self.num_layers * (self.kv_lora_rank + self.head_dim) * per_value
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * per_value
+        return self.num_layers * self.kv_bytes_per_layer_token(kv_dtype_bytes)
+
+    def kv_bytes(self, context_tokens: int, kv_dtype_bytes: float | None = None) -> float:
+        """KV bytes one request of `context_tokens` holds: full-attention layers keep every
+        token, sliding layers at most their window."""
+        sliding = self.num_sliding_layers
+        kept = ((self.num_layers - sliding) * context_tokens
+                + sliding * min(context_tokens, self.sliding_window or 0))
+        return kept * self.kv_bytes_per_layer_token(kv_dtype_bytes)
+
+    def kv_groups(self) -> tuple[int, int, int]:
+        """(full-attention groups, sliding groups, layers per group) as vLLM's KV cache manager
+        forms them (v1/core/kv_cache_utils.py::_get_kv_cache_groups_uniform_page_size): one group
+        of every layer when all layers are alike; else groups of the smaller count of layers
+        (the larger one when it is under 1.5 times the smaller), the last one padded. A block of
+        the shared pool holds one page of each layer of a group."""
+        sliding = self.num_sliding_layers
+        full = self.num_layers - sliding
+        if not sliding or not full:
+            return (0, 1, sliding) if sliding else (1, 0, full)
+        size = min(full, sliding)
+        if max(full, sliding) < 1.5 * size:
+            size = max(full, sliding)
+        return _cdiv(full, size), _cdiv(sliding, size), size
 
 
 def _text_config(config: dict) -> dict:
@@ -75,6 +119,82 @@ def _dtype_bytes(name: str | None) -> int:
     if not name:
         return 2
     return _DTYPE_BYTES.get(str(name).replace("torch.", "").lower(), 2)
+
+
+def served_dtype_bytes(config_dtype: str | None, dtype: str | None = None) -> int:
+    """Bytes per weight and KV value in the dtype vLLM serves a model in.
+
+    An explicit --dtype wins. With `auto` (vllm/config/model.py::_resolve_auto_dtype) a float32
+    config, or one that names no dtype, is served in the platform's first supported dtype:
+    bfloat16 on CUDA from compute 8.0 and on the CPU build, float16 below (2 bytes either way);
+    only Gemma-2/3 and GLM-4 on a card without bfloat16 stay float32, and there the tuner passes
+    --dtype float32 itself (tuner/run/devices.py), which arrives here as `dtype`.
+    """
+    if dtype and str(dtype).lower() != "auto":
+        return _dtype_bytes(dtype)
+    served = _dtype_bytes(config_dtype)
+    return 2 if served == 4 else served
+
+
+# Model types whose transformers config ties the lm_head to the embeddings when config.json does
+# not say (PretrainedConfig's default True, kept by these classes; Llama, Mistral, Qwen and most
+# others default to False). transformers 5.19, causal LMs.
+_TIED_BY_DEFAULT = frozenset({
+    "bloom", "cohere", "cohere2", "cohere2_moe", "ernie4_5", "ernie4_5_moe", "falcon",
+    "falcon_mamba", "gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text",
+    "gemma4", "gemma4_text", "gpt2", "gpt_bigcode", "gpt_neo", "gpt-sw3", "granite_swa", "jetmoe",
+    "lfm2", "lfm2_moe", "mamba", "minicpm3", "mpt", "opt", "recurrent_gemma", "smollm3",
+    "starcoder2", "vaultgemma", "xglm", "zamba", "zamba2",
+})
+
+
+def _tied(c: dict) -> bool:
+    """tie_word_embeddings as transformers resolves it: config.json's value, else the class default."""
+    if c.get("tie_word_embeddings") is not None:
+        return bool(c["tie_word_embeddings"])
+    return str(c.get("model_type", "")) in _TIED_BY_DEFAULT
+
+
+# Where config.json names a sliding window but no layer_types, transformers' config class lays
+# the layers out (vLLM reads its layer_types). Sliding unless (layer + 1) % N == 0: Gemma-2 and
+# gpt-oss alternate from a sliding layer, Gemma-3 slides 5 layers of 6 (or its
+# sliding_window_pattern), Cohere-2 3 of 4. transformers 5.19.
+_SLIDING_PERIOD = {
+    "gemma2": 2, "vaultgemma": 2, "gpt_oss": 2,
+    "gemma3": 6, "gemma3_text": 6, "gemma4": 6, "gemma4_text": 6,
+    "gemma3n": 5, "gemma3n_text": 5,
+    "cohere2": 4, "cohere2_moe": 4, "exaone4": 4, "exaone_moe": 4, "olmo3": 4, "afmoe": 4,
+}
+# Families whose config class has no layer_types: vLLM then applies the window to every layer
+# (engine/arg_utils.py sets CacheConfig.sliding_window). Other families with a window and no
+# layer_types are unknown and counted as full attention: more KV per token, fewer tokens predicted.
+_EVERY_LAYER_SLIDES = frozenset({
+    "mistral", "mixtral", "ministral", "ministral3", "starcoder2", "phi3", "phimoe", "llama",
+    "seed_oss", "arcee", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "glm", "glm4",
+    "stablelm", "olmo2", "granite",
+})
+# Qwen's configs slide layers from max_window_layers on, and only with use_sliding_window
+# (default False): transformers drops the window otherwise.
+_WINDOW_FROM_LAYER = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl",
+                                "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_vl_text"})
+
+
+def _sliding_layers(c: dict, layers: int) -> int:
+    """How many of `layers` use the sliding window, as vLLM lays them out."""
+    if not c.get("sliding_window"):
+        return 0
+    layer_types = c.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        return sum(1 for t in layer_types[:layers] if t == "sliding_attention")
+    model_type = str(c.get("model_type", ""))
+    if model_type in _WINDOW_FROM_LAYER or "use_sliding_window" in c:
+        if not c.get("use_sliding_window", False):
+            return 0
+        return max(0, layers - int(c.get("max_window_layers", layers)))
+    period = c.get("sliding_window_pattern") or _SLIDING_PERIOD.get(model_type)
+    if isinstance(period, int) and period > 0:
+        return layers - layers // period
+    return layers if model_type in _EVERY_LAYER_SLIDES else 0
 
 
 def _derived_max_len(config: dict, folder: Path) -> int:
@@ -122,7 +242,7 @@ def _param_count(c: dict, head_dim: int) -> int:
         mlp = 3 * hidden * inter
     per_layer = attn + mlp + 2 * hidden
     embed = vocab * hidden
-    head = 0 if c.get("tie_word_embeddings") else vocab * hidden
+    head = 0 if _tied(c) else vocab * hidden
     return layers * per_layer + embed + head + hidden
 
 
@@ -155,8 +275,9 @@ def _files_weight_bytes(folder: Path) -> int | None:
     return sum(sizes) if sizes else None
 
 
-def model_shape(model_dir: str) -> ModelShape:
-    """The memory-relevant shape of a local model folder (config.json, weight file sizes)."""
+def model_shape(model_dir: str, dtype: str | None = None) -> ModelShape:
+    """The memory-relevant shape of a local model folder (config.json, weight file sizes), in the
+    dtype vLLM serves it in (`dtype`: the study's --dtype, None or "auto" for vLLM's choice)."""
     folder = Path(model_dir)
     path = folder / "config.json"
     if not path.exists():
@@ -179,30 +300,32 @@ def model_shape(model_dir: str) -> ModelShape:
         head_dim = int(c.get("qk_rope_head_dim") or 64)
     else:
         head_dim = int(c.get("head_dim") or hidden // heads)
-    dtype_bytes = _dtype_bytes(c.get("torch_dtype") or c.get("dtype") or raw.get("torch_dtype"))
+    config_dtype = c.get("torch_dtype") or c.get("dtype") or raw.get("torch_dtype")
+    dtype_bytes = served_dtype_bytes(config_dtype, dtype)
     sliding = c.get("sliding_window")
-    every_layer_slides = (sliding and c.get("use_sliding_window", True)
-                          and not c.get("layer_types") and not c.get("sliding_window_pattern")
-                          and int(c.get("max_window_layers", layers)) >= layers)
+    sliding_layers = _sliding_layers(c, layers)
     quant, quant_bytes = _quantization(c)
     params = _param_count(c, int(c.get("head_dim") or hidden // heads))
     vocab = int(c.get("vocab_size", 32000))
     file_bytes = _files_weight_bytes(folder)
     if file_bytes is not None:
-        weights = file_bytes
+        # vLLM casts the checkpoint to the served dtype as it loads it (a float32 file, half)
+        stored = _dtype_bytes(config_dtype) if config_dtype else dtype_bytes
+        weights = file_bytes if quant else file_bytes * dtype_bytes / stored
     elif quant_bytes is not None:
-        embeds = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
+        embeds = vocab * hidden * (1 if _tied(c) else 2)
         weights = int((params - embeds) * quant_bytes + embeds * dtype_bytes)
     else:
         weights = params * dtype_bytes
     return ModelShape(
         num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
-        sliding_window=int(sliding) if every_layer_slides else None, quantization=quant,
+        sliding_window=int(sliding) if sliding_layers else None, quantization=quant,
         vocab_size=vocab, hidden_size=hidden, param_count=params, weights_bytes=int(weights),
         intermediate_size=int(c.get("intermediate_size") or 4 * hidden),
         max_position_embeddings=_derived_max_len(c, folder),
         kv_lora_rank=int(kv_lora_rank) if kv_lora_rank else None,
         weights_from_files=file_bytes is not None,
+        sliding_layers=None if sliding_layers in (0, layers) else sliding_layers,
     )
 
 
@@ -516,6 +639,66 @@ class MemoryModel:
     def calibrated(self) -> bool:
         return any(o.overhead_bytes is not None and not o.lower_bound for o in self.observations)
 
+    # -- the KV cache's layout ----------------------------------------------------------------
+
+    def in_flight_tokens(self, r: Resolved) -> int:
+        """Tokens scheduled but not yet freed, which a sliding layer holds beyond its window
+        (VllmConfig.max_in_flight_tokens): one batch on the CPU build, two under CUDA's async
+        scheduling (on by default in vLLM 0.32; earlier builds held one, so two errs safe)."""
+        return r.max_num_batched_tokens * (1 if self.platform == "cpu" else 2)
+
+    def _sliding_blocks(self, r: Resolved, length: int, block: int) -> int:
+        """Blocks of one sliding layer for a request of `length` tokens: the window less one
+        plus the in-flight tokens, and one more as the window need not start on a block
+        (SlidingWindowSpec.max_admission_blocks_per_request)."""
+        window = self.shape.sliding_window or 0
+        return _cdiv(min(window - 1 + self.in_flight_tokens(r), length), block) + 1
+
+    def pool_block_bytes(self, r: Resolved, block: int | None = None) -> float:
+        """Bytes of one block of vLLM's pool: a page of each layer of one KV cache group."""
+        _full, _sliding, per_group = self.shape.kv_groups()
+        return (block or self.block_size) * per_group * self.shape.kv_bytes_per_layer_token(
+            r.kv_dtype_bytes)
+
+    def blocks_per_request(self, r: Resolved, length: int | None = None,
+                           block: int | None = None) -> int:
+        """Pool blocks one request of `length` tokens (max-model-len) takes, over the groups
+        (get_max_concurrency_for_kv_cache_config)."""
+        block = block or self.block_size
+        length = r.max_model_len if length is None else length
+        full, sliding, _ = self.shape.kv_groups()
+        return (full * _cdiv(length, block)
+                + (sliding * self._sliding_blocks(r, length, block) if sliding else 0))
+
+    def request_kv_bytes(self, r: Resolved, length: int | None = None) -> float:
+        """KV one request of `length` tokens needs, layer by layer, as vLLM checks it against
+        the budget before it starts (check_enough_kv_cache_memory)."""
+        s = self.shape
+        length = r.max_model_len if length is None else length
+        sliding = s.num_sliding_layers
+        blocks = (s.num_layers - sliding) * _cdiv(length, self.block_size)
+        if sliding:
+            blocks += sliding * self._sliding_blocks(r, length, self.block_size)
+        return blocks * self.block_size * s.kv_bytes_per_layer_token(r.kv_dtype_bytes)
+
+    def fit_length(self, r: Resolved, budget: float) -> int:
+        """The longest max-model-len one request of which fits `budget` (vLLM's
+        estimate_max_model_len), up to the model's limit."""
+        top = self.shape.max_position_embeddings
+        if not self.shape.num_sliding_layers:
+            blocks = max(int(budget // self.pool_block_bytes(r)), 0)
+            return min(blocks * self.block_size, top)
+        if self.request_kv_bytes(r, top) <= budget:
+            return top
+        lo, hi = 0, top
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.request_kv_bytes(r, mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     # -- prediction ------------------------------------------------------------------------
 
     def predict(self, params: ServerParams, margin: float | None = None) -> Prediction:
@@ -525,31 +708,30 @@ class MemoryModel:
         margin = self.margin if margin is None else max(margin, 0.0)
         s = self.shape
         bpt = s.kv_bytes_per_token(r.kv_dtype_bytes)
-        block_bytes = self.block_size * bpt
+        block_bytes = self.pool_block_bytes(r)
         overhead = self.overhead_bytes(r)
         budget = self.requested_bytes(r) - overhead
-        per_request_tokens = r.max_model_len
-        if s.sliding_window is not None:
-            per_request_tokens = min(r.max_model_len, s.sliding_window - 1 + r.max_num_batched_tokens)
-        blocks_per_request = _cdiv(per_request_tokens, self.block_size)
-        needed = blocks_per_request * block_bytes
+        needed = self.request_kv_bytes(r)
         num_blocks = max(int(budget // block_bytes), 0)
-        max_concurrency = num_blocks / blocks_per_request
+        max_concurrency = num_blocks / self.blocks_per_request(r)
         kv_tokens = int(max_concurrency * r.max_model_len)
-        if s.sliding_window is not None and num_blocks >= _cdiv(s.sliding_window, self.block_size):
-            fit_len = s.max_position_embeddings
-        else:
-            fit_len = min(num_blocks * self.block_size, s.max_position_embeddings)
+        fit_len = self.fit_length(r, budget)
         terms = self.terms(r)
         weights = terms.weights
         band = margin * (overhead - weights if overhead > weights else overhead)
         band = max(band, block_bytes, self.calibration_spread_bytes(r))
+        # weights alone beyond the share: no launch can start it, calibrated or not
+        weights_over = weights > self.requested_bytes(r) * (1 + WEIGHTS_TOLERANCE)
 
         reasons = []
         if params.max_model_len is not None and params.max_model_len > s.max_position_embeddings:
             fits, certain = False, True
             reasons.append(f"max-model-len {params.max_model_len} exceeds the model's "
                            f"{s.max_position_embeddings}")
+        elif weights_over:
+            fits, certain = False, True
+            reasons.append(f"the weights on the device, ~{weights / GIB:.2f} GiB, exceed the "
+                           f"{self.requested_bytes(r) / GIB:.2f} GiB requested")
         elif budget <= 0:
             fits, certain = False, -budget > band
             reasons.append(f"no memory left for the KV cache: {overhead / GIB:.2f} GiB of "
@@ -567,7 +749,7 @@ class MemoryModel:
         if fits and oom_gmu is not None and r.gpu_memory_utilization >= oom_gmu:
             fits, certain = False, True
             reasons.append(f"a launch with gpu-memory-utilization {oom_gmu:g} ran out of memory")
-        if not self.calibrated:
+        if not self.calibrated and not weights_over:
             certain = False
             reasons.append("uncalibrated: no launch observed yet")
         elif not certain:
@@ -602,15 +784,15 @@ class MemoryModel:
     # -- learning --------------------------------------------------------------------------
 
     def _budget_from_capacity(self, r: Resolved, capacity: Capacity) -> float | None:
-        bpt = self.shape.kv_bytes_per_token(r.kv_dtype_bytes)
         block = capacity.block_size or self.block_size
-        if capacity.num_gpu_blocks and self.shape.sliding_window is None:
-            return (capacity.num_gpu_blocks + 0.5) * block * bpt
-        if capacity.kv_cache_tokens and self.shape.sliding_window is None:
+        block_bytes = self.pool_block_bytes(r, block)
+        if capacity.num_gpu_blocks:
+            return (capacity.num_gpu_blocks + 0.5) * block_bytes
+        if capacity.kv_cache_tokens:
             # vLLM logs int(num_blocks / blocks_per_request * max_model_len) tokens.
-            blocks = math.ceil(capacity.kv_cache_tokens * _cdiv(r.max_model_len, block)
+            blocks = math.ceil(capacity.kv_cache_tokens * self.blocks_per_request(r, block=block)
                                / r.max_model_len - 1e-9)
-            return (blocks + 0.5) * block * bpt
+            return (blocks + 0.5) * block_bytes
         if capacity.kv_cache_gib is not None:
             return capacity.kv_cache_gib * GIB
         return None
@@ -701,6 +883,38 @@ class MemoryModel:
         return obs
 
 
+def weights_exceed_device(model: MemoryModel, cpu_offload_gb: float | None = None,
+                          memory_budget_gib: float | None = None) -> str | None:
+    """Why no config can start when the weights that stay on the device, less the most
+    --cpu-offload-gb the study allows, exceed the whole device (or the memory budget) by more
+    than the estimate's tolerance: one line for a refusal before any launch; else None.
+
+    gpu-memory-utilization is at most 1, so no share holds them. On the CPU build the device is
+    the host and offloading moves nothing, so only a smaller (or quantized) model helps there.
+    """
+    offload = model.offloaded_bytes(cpu_offload_gb)
+    if model.observed_weights_bytes is not None and not offload:
+        weights = model.observed_weights_bytes
+    else:
+        weights = model.shape.weights_bytes - offload
+    device = float(model.device_memory_bytes)
+    said = (f"the weights alone, ~{weights / GIB:.1f} GiB"
+            + (f" after offloading {offload / GIB:.1f} GiB" if offload else ""))
+    fixes = ["use a smaller or quantized model"]
+    if model.platform != "cpu":
+        fixes.insert(0, f"offload {'more ' if offload else ''}(--cpu-offload-gb)")
+    if weights > device * (1 + WEIGHTS_TOLERANCE):
+        if model.platform == "cpu":
+            return (f"{said}, exceed the host's {device / GIB:.1f} GiB: the CPU build holds every "
+                    "weight there; use a smaller or quantized model")
+        return f"{said}, exceed the device's {device / GIB:.1f} GiB: {' or '.join(fixes)}"
+    if memory_budget_gib and weights > memory_budget_gib * GIB * (1 + WEIGHTS_TOLERANCE):
+        fixes.insert(0, f"raise the budget (the device has {device / GIB:.1f} GiB)")
+        return (f"{said}, exceed the {memory_budget_gib:g} GiB memory budget: "
+                f"{', '.join(fixes[:-1])} or {fixes[-1]}")
+    return None
+
+
 def device_memory_bytes(platform: str) -> int:
     """The total memory vLLM sizes gpu-memory-utilization against: NVML's total on cuda; on the
     CPU build NUMA node 0's MemTotal, capped by the cgroup limit (vllm/utils/cpu_resource_utils.py)."""
@@ -733,15 +947,15 @@ def device_memory_bytes(platform: str) -> int:
 def roofline_tok_s(bandwidth_gbps: float, shape: ModelShape, context_tokens: int,
                    kv_dtype_bytes: float | None = None, offload_bytes: float = 0.0,
                    pcie_gbps: float | None = None) -> float:
-    """Single-stream decode bound: bandwidth / bytes read per token (weights + KV of the context).
+    """Single-stream decode bound: bandwidth / bytes read per token (weights + KV of the context,
+    a sliding layer's no more than its window).
 
     With weights offloaded (--cpu-offload-gb) the device reads the resident weights and the KV
     cache from its own memory and the offloaded weights over PCIe, both at once at best: the bound
     is the smaller of the two terms. Without a PCIe figure, PCIE_FALLBACK_GBPS is assumed.
     """
     offload = min(max(offload_bytes, 0.0), shape.weights_bytes)
-    device_bytes = (shape.weights_bytes - offload
-                    + context_tokens * shape.kv_bytes_per_token(kv_dtype_bytes))
+    device_bytes = shape.weights_bytes - offload + shape.kv_bytes(context_tokens, kv_dtype_bytes)
     bound = bandwidth_gbps * 1e9 / device_bytes if device_bytes > 0 else math.inf
     if offload > 0:
         bound = min(bound, (pcie_gbps or PCIE_FALLBACK_GBPS) * 1e9 / offload)
