@@ -149,3 +149,58 @@ def test_the_mismatch_line_names_a_differing_model_and_levels():
     longer = replace(llama, workload=replace(llama.workload, level_seconds=15.0, slo_ttft_ms=500.0))
     line = compare.mismatch([side(llama, "a"), side(longer, "b")])
     assert "level seconds a 0 vs b 15" in line and "slo ttft ms a none vs b 500" in line, line
+
+
+# ---------------------------------------------------------------- studies built straight in storage
+
+
+def test_the_front_line_joins_strict_members_only(tmp_path):
+    """compare.png of a front where trial 1 beats trial 0 (kept as a tie within the noise) on
+    every objective: no line joins them; trial 0 is a hollow marker."""
+    import matplotlib.pyplot as plt
+
+    from test_html_report import REPLICATE, TIED, stored_study
+    from tuner.results import compare
+
+    cfg, _ = stored_study(tmp_path, TIED, study_attrs=REPLICATE, tie_tolerance=0.1)
+    side = compare.load_side(cfg, "a")
+    assert dict(zip(side.front["trial"], side.front["strict_pareto"])) == {0: False, 1: True}
+    fig = compare.plot_figure([side])
+    try:
+        ax, ax2 = fig.axes[:2]
+        assert not ax.lines and not ax2.lines        # one strict member: nothing to join
+        hollow = [c for c in ax.collections if "ties within noise" in c.get_label()]
+        assert len(hollow) == 1
+        assert hollow[0].get_offsets()[0][0] == pytest.approx(
+            float(side.front.set_index("trial").at[0, "ttft_ms"]))
+    finally:
+        plt.close(fig)
+
+
+def test_storage_option_and_a_workload_warning_for_waves(tmp_path, capsys):
+    """compare --storage reads studies whose files name no storage (once for all, or one per
+    --study); studies differing only in waves are warned about."""
+    from test_html_report import TIED, stored_study
+    from tuner import cli
+
+    db = tmp_path / "db"
+    db.mkdir()
+    files = []
+    for name, waves in (("one", 2), ("two", 4)):
+        doc = fake_vllm(name, {**DEMO_WORKLOAD, "waves": waves})
+        files.append(write_study(tmp_path, doc, f"{name}.toml"))
+        cfg, _ = stored_study(db, TIED[:3], name=name)
+    url = cfg.storage
+    assert "storage" not in files[0].read_text()
+    for storages in ([url], [url, url]):
+        args = ["compare", "--study", str(files[0]), "--study", str(files[1]),
+                "--out", str(tmp_path / "out")]
+        assert cli.main(args + [a for u in storages for a in ("--storage", u)]) == 0
+        err = capsys.readouterr().err
+        warned = [line for line in err.splitlines() if "not like for like" in line]
+        assert len(warned) == 1 and "waves one 2 vs two 4" in warned[0], err
+        rows = pd.read_csv(tmp_path / "out" / "compare.csv")
+        assert set(rows["study"]) == {"one", "two"} and "strict_pareto" in rows.columns
+    three = args + ["--storage", url] * 3
+    assert cli.main(three) == 2
+    assert "compare got 3 --storage for 2 --study" in capsys.readouterr().err

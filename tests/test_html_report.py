@@ -384,3 +384,203 @@ def test_the_summary_names_the_length_mix_the_trace_and_the_slo():
                              "max_concurrency": 32, "ttft_level": 8})
     assert "uniform lengths, prompt [100, 900] output [16, 64]" in mix
     assert "max_concurrency 32" in mix and "ttft_level 8" in mix
+
+
+# ---------------------------------------------------------------- studies built straight in storage
+
+def stored_study(tmp_path: Path, trials: list[dict], name: str = "fake", study_attrs: dict | None = None,
+                 doc: dict | None = None, **study_keys):
+    """A study written to sqlite with optuna's create_trial, no launch: each trial a dict of
+    values (single-stream, throughput, TTFT), params, attrs, constraints, state. Returns (cfg,
+    study), `cfg` parsed from `doc` (default study_doc(False)) with `study_keys` in [study]."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+    from optuna.trial import TrialState, create_trial
+
+    doc = doc or study_doc(False)
+    doc["study"] = {**doc["study"], "name": name, **study_keys}
+    cfg = parse_study(doc, "<stored>", {"storage": f"sqlite:///{tmp_path}/stored.db",
+                                        "results_dir": str(tmp_path / "results")})
+    study = optuna.create_study(study_name=cfg.name, storage=cfg.storage,
+                                directions=["maximize", "maximize", "minimize"])
+    study.set_user_attr("config", {"model": "preset:tiny", "workload": {"prompt_tokens": 16}})
+    for key, value in (study_attrs or {}).items():
+        study.set_user_attr(key, value)
+    dists = {"gpu_memory_utilization": FloatDistribution(0.1, 0.9, step=0.1),
+             "max_model_len": CategoricalDistribution([1024, 4096, 16384, 65536]),
+             "max_num_seqs": CategoricalDistribution([1, 4, 16, 64])}
+    for t in trials:
+        params = {"gpu_memory_utilization": 0.5, "max_model_len": 1024, "max_num_seqs": 4,
+                  **t.get("params", {})}
+        constraints = {"memory": 0.0, "launch": 0.0, **t.get("constraints", {})}
+        study.add_trial(create_trial(
+            state=t.get("state", TrialState.COMPLETE), values=t.get("values"), params=params,
+            distributions=dists, user_attrs={"failure": "", **t.get("attrs", {})},
+            constraints=constraints))
+    return cfg, study
+
+
+DEFAULTS = {"baseline": "vllm-defaults"}
+# trial 0: the defaults baseline, launched twice (noise measured); trial 1 beats it on every
+# objective by a few %, within that noise (a tie); trial 2 far below; trial 3 screened unlaunched
+TIED = [{"values": [100.0, 1000.0, 50.0], "attrs": DEFAULTS},
+        {"values": [103.0, 1030.0, 48.0], "params": {"max_num_seqs": 16, "max_model_len": 4096}},
+        {"values": [50.0, 500.0, 100.0], "params": {"max_num_seqs": 1}},
+        {"values": [0.0, 0.0, 1e6], "params": {"max_num_seqs": 64, "max_model_len": 16384},
+         "attrs": {"failure": "predicted_dominated", "failure_message": "beaten by trial 1",
+                   "screened_by": 1},
+         "constraints": {"launch": 1.0}}]
+REPLICATE = {"runs:0": [{"kind": "replicate", "failure": "", "single_stream_tok_s": 98.0,
+                         "throughput_tok_s": 990.0, "ttft_ms": 51.0}]}
+
+
+@pytest.fixture
+def tied(tmp_path):
+    cfg, study = stored_study(tmp_path, TIED, study_attrs=REPLICATE, tie_tolerance=0.1)
+    df = report.trials_frame(study, cfg.tie_tolerance)
+    assert list(df["pareto"]) == [True, True, False, False]
+    assert list(df["strict_pareto"]) == [False, True, False, False]
+    return SimpleNamespace(cfg=cfg, study=study, df=df)
+
+
+def test_each_command_carries_the_tie_note_export_prints(tied):
+    import re
+
+    text = html.page(tied.study, tied.cfg, tied.df)
+    front = tied.df[tied.df["pareto"]]
+    noise = tied.df.attrs["noise"]
+    notes = 0
+    for prefer in export.PREFERENCES:
+        row = export.choose(front, prefer, noise, tied.cfg.tie_tolerance)
+        why = export.choice_note(front, row, prefer, noise, tied.cfg.tie_tolerance)
+        block = re.search(rf'<div class="command" data-prefer="{prefer}".*?</div></div>', text, re.S)
+        assert block, prefer
+        if why:
+            notes += 1
+            assert f'<p class="why">{html.html.escape(why)}</p>' in block.group(0), prefer
+            assert "changes the fewest flags from the defaults baseline" in why
+    assert notes == len(export.PREFERENCES)    # trial 1 is every pick; trial 0 ties it, simpler
+
+
+def test_pareto_plot_numbers_the_front_marks_ties_hollow_and_draws_the_spread(tied):
+    import matplotlib.pyplot as plt
+    from matplotlib.container import ErrorbarContainer
+
+    fig = report.projections_figure(tied.df, "t")
+    try:
+        for ax in fig.axes:
+            texts = {t.get_text() for t in ax.texts}
+            assert {"0", "1"} <= texts and "2" not in texts        # front members only
+            assert any(isinstance(c, ErrorbarContainer) for c in ax.containers)
+        labels = fig.axes[0].get_legend().get_texts()
+        labels = [t.get_text() for t in labels]
+        assert any("ties within noise" in label for label in labels)
+        assert any(label.startswith("Pareto set (strict") for label in labels)
+        hollow = [c for c in fig.axes[0].collections if c.get_label() == report.TIE_STYLE["label"]]
+        assert len(hollow) == 1 and len(hollow[0].get_offsets()) == 1
+        assert hollow[0].get_offsets()[0][0] == pytest.approx(tied.df.at[0, "single_stream_tok_s"])
+    finally:
+        plt.close(fig)
+
+
+def test_parameters_plot_gives_a_screened_config_its_own_marker(tied):
+    import matplotlib.pyplot as plt
+
+    fig = report.parameters_figure(tied.df, "t")
+    try:
+        labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        assert "not launched: predicted dominated" in labels
+        assert not any(label.startswith("infeasible") for label in labels), labels
+    finally:
+        plt.close(fig)
+
+
+def test_a_replicate_launch_in_progress_says_the_study_is_running(tmp_path):
+    import socket
+
+    running = {"pgid": 1, "port": 1, "host": socket.gethostname(), "tuner_pid": os.getpid(),
+               "trial": 0, "kind": "replicate"}
+    cfg, study = stored_study(tmp_path, TIED[:2], study_attrs={"relaunch_server": running})
+    text = html.page(study, cfg)
+    assert 'id="partial-relaunch"' in text
+    assert "still running: a replicate launch of trial 0 is in progress" in text
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    study.set_user_attr("relaunch_server", {**running, "tuner_pid": dead.pid})
+    text = html.page(study, cfg)
+    assert 'id="partial-relaunch"' not in text and 'id="orphaned-relaunch"' in text
+    study.set_user_attr("relaunch_server", {})        # what the tuner leaves after the launch
+    text = html.page(study, cfg)
+    assert "relaunch" not in text and 'id="partial"' not in text
+
+
+COALESCED_LEVELS = [
+    {"name": "single_stream", "concurrency": 1, "throughput_tok_s": 90.0, "ttft_ms": 60.0,
+     "tpot_ms": 0.0, "tpot_ms_p90": 0.0017, "itl_ms": 0.0, "itl_ms_p90": 0.0, "e2e_ms": 60.0},
+    {"name": "c4", "concurrency": 4, "throughput_tok_s": 900.0, "ttft_ms": 80.0,
+     "decode_tok_s": 120.0, "tpot_ms": 8.0, "tpot_ms_p90": 9.0, "itl_ms": 7.5, "itl_ms_p90": 9.5,
+     "e2e_ms": 150.0}]
+
+
+def test_a_rebuilt_report_removes_what_storage_no_longer_backs(tmp_path):
+    """Report, then the study created anew at the same storage URL with nothing measured: the
+    first report's command, curves and trial logs go; what the tool did not write stays."""
+    from optuna.trial import TrialState
+
+    measured = {"values": [90.0, 900.0, 80.0],
+                "attrs": {**DEFAULTS, "levels": COALESCED_LEVELS, "single_stream_tok_s": 90.0,
+                          "single_stream_source": "server_itl"}}
+    cfg, study = stored_study(tmp_path, [measured, {"state": TrialState.RUNNING}])
+    folder = cfg.results_path
+    for n in ("0", "1", "7", "notes"):
+        (folder / "trials" / n).mkdir(parents=True)
+        (folder / "trials" / n / "server.log").write_text("log\n")
+    (folder / "mine.txt").write_text("a person's notes\n")
+    report.write_all(study, cfg)
+    assert {"best-command.sh", "curves.png", "pareto.png", "parameters.png"} <= \
+        {p.name for p in folder.iterdir()}
+    assert sorted(p.name for p in (folder / "trials").iterdir()) == ["0", "1", "notes"]
+    # levels.csv: the coalesced level's per-token figures blank, where single stream came from
+    levels = pd.read_csv(folder / "levels.csv").set_index("name")
+    assert levels.loc["single_stream", ["tpot_ms", "tpot_ms_p90", "itl_ms"]].isna().all()
+    assert bool(levels.at["single_stream", "coalesced"]) and not bool(levels.at["c4", "coalesced"])
+    assert levels.at["single_stream", "single_stream_source"] == "server_itl"
+    assert levels.at["c4", "tpot_ms"] == 8.0
+    assert "0.00" not in html.page(study, cfg).split('id="levels"')[1].split("</table>")[0]
+
+    optuna.delete_study(study_name=cfg.name, storage=cfg.storage)
+    study = optuna.create_study(study_name=cfg.name, storage=cfg.storage,
+                                directions=["maximize", "maximize", "minimize"])
+    report.write_all(study, cfg)
+    left = {p.name for p in folder.iterdir()}
+    assert "best-command.sh" not in left and "curves.png" not in left
+    assert {"report.html", "trials.csv", "levels.csv", "mine.txt", "pareto.png"} <= left
+    assert sorted(p.name for p in (folder / "trials").iterdir()) == ["notes"]
+    assert (folder / "levels.csv").read_text().startswith("trial,launch,kind,name,")
+
+
+def test_a_llamacpp_report_names_its_engine(tmp_path):
+    from tuner import config, engines
+
+    try:
+        cfg = config.load_study(ROOT / "studies" / "demo-llamacpp.toml",
+                                {"storage": f"sqlite:///{tmp_path}/l.db",
+                                 "results_dir": str(tmp_path)})
+        from optuna.distributions import CategoricalDistribution
+        from optuna.trial import create_trial
+
+        study = optuna.create_study(study_name=cfg.name, storage=cfg.storage,
+                                    directions=["maximize", "maximize", "minimize"])
+        study.add_trial(create_trial(
+            values=[0.0, 0.0, 1e6], params={"ctx_size": 1024, "parallel": 4},
+            distributions={"ctx_size": CategoricalDistribution([1024, 2048]),
+                           "parallel": CategoricalDistribution([1, 4])},
+            user_attrs={"failure": "load_test_failed", "vllm_version": "xllamacpp 2026.10",
+                        "failure_message": "no measurement of single_stream_tok_s",
+                        "needed_gib": 1.5},
+            constraints={"load_test": 1.0}))
+        text = html.page(study, cfg)
+    finally:
+        engines.use(engines.DEFAULT)
+    assert "<dt>llama.cpp</dt><dd>xllamacpp 2026.10</dd>" in text
+    assert "llama.cpp: what the failed launch" in text and "llama.cpp: needed GiB" in text
+    assert "vLLM" not in text

@@ -17,7 +17,7 @@ from tuner.results.report import LABELS, MAXIMIZE, OBJECTIVES, figure, spread
 SHORT = {"single_stream_tok_s": "single-stream tok/s", "throughput_tok_s": "throughput tok/s",
          "ttft_ms": "TTFT p50 ms"}
 CSV_COLUMNS = ["study", "engine", "trial", "flags", *OBJECTIVES,
-               *(f"{k}_spread" for k in OBJECTIVES), "runs", "balanced"]
+               *(f"{k}_spread" for k in OBJECTIVES), "runs", "balanced", "strict_pareto"]
 
 
 @dataclass
@@ -63,6 +63,10 @@ def load_side(cfg: StudyConfig, label: str) -> Side:
     noise = df.attrs.get("noise")
     offered, warning = export.offered_front(df, cfg.tie_tolerance)
     rows, command, pick = [], "", None
+    # strict: no member beats it on every objective at all (ties within the noise aside); the
+    # offered slow front (cpu_offload) is judged among itself, as it was chosen
+    strict = report.pareto_mask(offered, 0.0, None) if warning or "strict_pareto" not in offered \
+        else offered["strict_pareto"].astype(bool)
     if len(offered):
         chosen = export.choose(offered, "balanced", noise, cfg.tie_tolerance)
         pick, command = int(chosen["trial"]), export.exported(chosen, study, cfg).command()
@@ -75,27 +79,35 @@ def load_side(cfg: StudyConfig, label: str) -> Side:
         runs = row.get("runs")
         out["runs"] = int(runs) if runs is not None and pd.notna(runs) else 1
         out["balanced"] = out["trial"] == pick
+        out["strict_pareto"] = bool(strict.get(row.name, False))
         rows.append(out)
     measured = int(df[list(OBJECTIVES)].notna().all(axis=1).sum())
     return Side(label, cfg, engines.get(cfg.engine_name).label, platform_of(df), len(df), measured,
                 pd.DataFrame(rows, columns=CSV_COLUMNS), command, warning)
 
 
-def load_sides(study_files: list[str], resolve) -> list[Side]:
-    """Each study file (a path or a name, `resolve`d as the other commands do) read in turn."""
+def load_sides(study_files: list[str], resolve, storages: list[str] | None = None) -> list[Side]:
+    """Each study file (a path or a name, `resolve`d as the other commands do) read in turn.
+    `storages` (--storage): none, one URL for every study, or one per study in their order."""
     from tuner.config import load_study
 
     if len(study_files) < 2:
         raise TunerError(f"compare needs at least two --study (got {len(study_files)}): "
                          "e.g. --study demo --study demo-llamacpp")
+    storages = list(storages or [])
+    if len(storages) not in (0, 1, len(study_files)):
+        raise TunerError(f"compare got {len(storages)} --storage for {len(study_files)} --study: "
+                         "give one (every study's) or one per --study, in the same order")
+    if len(storages) == 1:
+        storages = storages * len(study_files)
     sides, seen, files = [], {}, set()
     try:
-        for name in study_files:
+        for i, name in enumerate(study_files):
             path = Path(resolve(name)).resolve()
             if path in files:
                 raise TunerError(f"--study {name} is given twice: compare needs different studies")
             files.add(path)
-            cfg = load_study(path)
+            cfg = load_study(path, {"storage": storages[i]} if storages else None)
             seen[cfg.name] = seen.get(cfg.name, 0) + 1
             label = cfg.name if seen[cfg.name] == 1 else f"{cfg.name}#{seen[cfg.name]}"
             sides.append(load_side(cfg, label))
@@ -106,15 +118,18 @@ def load_sides(study_files: list[str], resolve) -> list[Side]:
 
 def workload_key(cfg: StudyConfig) -> dict:
     """What a like-for-like comparison needs equal: the request lengths (the mix and its
-    parameters, the endpoint's template), the load levels and how long each runs, and the SLOs
-    that pick the throughput level."""
+    parameters, the endpoint's template), the load levels, how many requests and how long each
+    runs (waves), and the SLOs that pick the throughput level."""
     from tuner.load.plan import closed_levels, ttft_level_name
 
     w = cfg.workload
     return {"prompt_tokens": w.prompt_tokens, "output_tokens": w.output_tokens,
             "length_mix": w.length_mix, "prompt_tokens_mix": tuple(w.prompt_tokens_mix),
             "output_tokens_mix": tuple(w.output_tokens_mix), "length_trace": w.length_trace,
-            "endpoint": w.endpoint, "levels": closed_levels(w),
+            "endpoint": w.endpoint, "levels": closed_levels(w), "waves": w.waves,
+            "max_waves": w.max_waves if w.level_seconds > 0 else None,
+            "throughput_requests": w.throughput_requests,
+            "single_stream_requests": w.single_stream_requests,
             "request_rates": tuple(w.request_rates) or ((w.request_rate,) if w.request_rate else ()),
             "ttft_level": ttft_level_name(w), "level_seconds": w.level_seconds,
             "slo_ttft_ms": w.slo_ttft_ms, "slo_tpot_ms": w.slo_tpot_ms, "slo_e2e_ms": w.slo_e2e_ms}
@@ -214,8 +229,23 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
 def plot(sides: list[Side], path: Path) -> Path:
-    """Throughput against TTFT (log axis), marker size the single-stream speed, each study's
-    front joined; beside it single-stream speed against throughput."""
+    """compare.png: figure(sides) saved and closed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(sides)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_figure(sides: list[Side]):
+    """Throughput against TTFT (log axis), marker size the single-stream speed; beside it
+    single-stream speed against throughput. A line joins only a study's strict Pareto members
+    (none beats another on every objective); a member kept only as a tie within the noise is a
+    hollow marker off the line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -230,17 +260,31 @@ def plot(sides: list[Side], path: Path) -> Path:
         if f.empty:
             continue
         label = f"{s.label} ({s.engine}, {s.platform})"
+        on = f["strict_pareto"].astype(bool) if "strict_pareto" in f else pd.Series(True, f.index)
         sizes = 40 + 260 * f["single_stream_tok_s"] / ss_max
-        ax.plot(f["ttft_ms"], f["throughput_tok_s"], color=colour, lw=1.2, alpha=0.7, zorder=2)
-        ax.scatter(f["ttft_ms"], f["throughput_tok_s"], s=sizes, color=colour, marker=marker,
-                   edgecolors="black", linewidths=0.5, alpha=0.85, zorder=3, label=label)
+        strict, ties = f[on], f[~on]
+        if len(strict) > 1:
+            ax.plot(strict["ttft_ms"], strict["throughput_tok_s"], color=colour, lw=1.2,
+                    alpha=0.7, zorder=2)
+        ax.scatter(strict["ttft_ms"], strict["throughput_tok_s"], s=sizes[on], color=colour,
+                   marker=marker, edgecolors="black", linewidths=0.5, alpha=0.85, zorder=3,
+                   label=label)
+        if len(ties):
+            ax.scatter(ties["ttft_ms"], ties["throughput_tok_s"], s=sizes[~on], marker=marker,
+                       facecolors="none", edgecolors=colour, linewidths=1.2, zorder=3,
+                       label=f"{s.label}: ties within noise")
         for _, r in f.iterrows():
             ax.annotate(str(int(r["trial"])), (r["ttft_ms"], r["throughput_tok_s"]), fontsize=7,
                         textcoords="offset points", xytext=(6, 4), color=colour)
-        g = f.sort_values("throughput_tok_s")
-        ax2.plot(g["throughput_tok_s"], g["single_stream_tok_s"], color=colour, lw=1.2, alpha=0.7)
+        g = strict.sort_values("throughput_tok_s")
+        if len(g) > 1:
+            ax2.plot(g["throughput_tok_s"], g["single_stream_tok_s"], color=colour, lw=1.2,
+                     alpha=0.7)
         ax2.scatter(g["throughput_tok_s"], g["single_stream_tok_s"], color=colour, marker=marker,
                     s=70, edgecolors="black", linewidths=0.5, zorder=3, label=label)
+        if len(ties):
+            ax2.scatter(ties["throughput_tok_s"], ties["single_stream_tok_s"], marker=marker,
+                        s=70, facecolors="none", edgecolors=colour, linewidths=1.2, zorder=3)
     ax.set_xscale("log")
     ax.set_xlabel(LABELS["ttft_ms"] + ", log scale  ← better")
     ax.set_ylabel(LABELS["throughput_tok_s"] + "  better ↑")
@@ -252,8 +296,7 @@ def plot(sides: list[Side], path: Path) -> Path:
     ax2.grid(alpha=0.3)
     if len(every):
         ax.legend(fontsize=8, loc="best")
-    fig.suptitle("compare: " + " vs ".join(s.label for s in sides), fontsize=11)
+    fig.suptitle("compare: " + " vs ".join(s.label for s in sides)
+                 + " (lines join strict Pareto members; hollow: ties within noise)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

@@ -23,9 +23,11 @@ OBJECTIVE_COLUMNS = [("single_stream_tok_s", "single-stream tok/s", 1),
 LEVEL_FIGURES = [("throughput_tok_s", "throughput tok/s", 1), ("ttft_ms", "TTFT p50 ms", 1),
                  ("ttft_ms_p90", "TTFT p90 ms", 1), ("tpot_ms", "TPOT p50 ms", 2),
                  ("e2e_ms_p90", "E2E p90 ms", 1)]
+ENGINE = "{engine}"   # the engine's label (vLLM, llama.cpp, SGLang), filled in per study
 FAILURE_FACTS = [("failure_message", "what the log or the tuner said", None),
-                 ("estimated_max_model_len", "vLLM: fits tokens", 0),
-                 ("needed_gib", "vLLM: needed GiB", 2), ("available_gib", "vLLM: available GiB", 2),
+                 ("estimated_max_model_len", f"{ENGINE}: fits tokens", 0),
+                 ("needed_gib", f"{ENGINE}: needed GiB", 2),
+                 ("available_gib", f"{ENGINE}: available GiB", 2),
                  ("predicted_fits", "model: fits", None),
                  ("predicted_max_model_len_fit", "model: fits tokens", 0),
                  ("predicted_needed_gib", "model: needed GiB", 2),
@@ -201,14 +203,20 @@ def para(text: str) -> str:
     return f"<p>{html.escape(text)}</p>"
 
 
+def engine_label(cfg: StudyConfig) -> str:
+    """How the page names the study's engine: "vLLM", "llama.cpp", "SGLang"."""
+    return engines.get(cfg.engine_name).label
+
+
 def summary_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
     config = study.user_attrs.get("config", {})
     states = df["state"].value_counts().to_dict() if len(df) else {}
     running = int(states.get("RUNNING", 0))
     first = df.iloc[0] if len(df) else pd.Series(dtype=object)
+    # the engine's version is stored as vllm_version whatever the engine
     facts = [("study", cfg.name), ("storage", cfg.storage),
              ("model", config.get("model") or cfg.model),
-             ("device", first.get("gpu_name")), ("vLLM", first.get("vllm_version")),
+             ("device", first.get("gpu_name")), (engine_label(cfg), first.get("vllm_version")),
              ("trials", ", ".join(f"{k.lower()} {v}" for k, v in states.items()) or "none yet"),
              ("generated", time.strftime("%Y-%m-%d %H:%M:%S %Z"))]
     items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>"
@@ -230,6 +238,7 @@ def summary_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
                  "nothing of it was measured; "
                  "the next <code>python -m tuner run</code> stops any server it left and queues "
                  "the config again.</p>")
+    body += relaunch_banner(study)
     w = config.get("workload") or {}
     if w:
         body += para("workload: " + describe_workload(w))
@@ -238,6 +247,27 @@ def summary_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
         body += para(f"requirement: context_tokens {req.context_tokens}"
                      + (f", sequences_at_context {req.sequences_at_context}" if req.sequences_at_context else ""))
     return section("summary", f"tuner study {cfg.name}", body)
+
+
+def relaunch_banner(study) -> str:
+    """A replicate or confirmation launch in progress: its trial stays COMPLETE in storage, so
+    only the study's `relaunch_server` record (set while that server runs, cleared after its
+    load test) says so. "" when none is."""
+    from tuner.search.study import tuner_gone
+
+    r = study.user_attrs.get("relaunch_server") or {}
+    if not r or r.get("trial") is None:
+        return ""
+    kind = html.escape(str(r.get("kind") or "relaunch"))
+    trial = int(r["trial"])
+    if tuner_gone({"tuner_host": r.get("host"), "tuner_pid": r.get("tuner_pid")}):
+        return (f'<p id="orphaned-relaunch" class="partial">A {kind} launch of trial {trial} was '
+                "left by a tuner that is gone (killed): nothing of it was measured; the next "
+                "<code>python -m tuner run</code> stops its server.</p>")
+    return (f'<p id="partial-relaunch" class="partial">The study is still running: a {kind} '
+            f"launch of trial {trial} is in progress; this page is a snapshot: trial {trial}'s "
+            "figures (the mean over its runs), the measured noise and the front can change when "
+            "it ends. Run <code>python -m tuner report</code> again later.</p>")
 
 
 def describe_workload(w: dict) -> str:
@@ -282,20 +312,27 @@ def commands_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
         return section("commands", "Commands to copy",
                        para("no feasible measured config yet: no command to export"))
     blocks = []
+    noise = df.attrs.get("noise")
     for prefer in export.PREFERENCES:
-        row = export.choose(front, prefer, df.attrs.get("noise"), cfg.tie_tolerance)
+        row = export.choose(front, prefer, noise, cfg.tie_tolerance)
         e = export.exported(row, study, cfg, warning=warning)
-        figures = ", ".join(f"{h} {fmt(row.get(c), d)}" + _plus_minus(row, c, d, df.attrs.get("noise"))
+        figures = ", ".join(f"{h} {fmt(row.get(c), d)}" + _plus_minus(row, c, d, noise)
                             for c, h, d in OBJECTIVE_COLUMNS)
+        # the line `export` prints on stderr when a tie, not the preference, picked the trial
+        why = export.choice_note(front, row, prefer, noise, cfg.tie_tolerance)
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in e.notes)
         blocks.append(
             f'<div class="command" data-prefer="{prefer}" data-trial="{int(row["trial"])}">'
             f"<h3>--prefer {prefer}: trial {int(row['trial'])}</h3><p>{html.escape(figures)}</p>"
+            + (f'<p class="why">{html.escape(why)}</p>' if why else "") +
             f'<div class="cmdline"><pre><code id="cmd-{prefer}">{html.escape(e.command())}'
             f'</code></pre><button type="button" class="copy" data-target="cmd-{prefer}">copy'
             f"</button></div>" + (f"<ul class=\"notes\">{notes}</ul>" if notes else "") + "</div>")
     intro = para("python -m tuner export --prefer NAME prints the same line; balanced weighs only "
                  "the objectives whose spread across the front is beyond the measured noise.")
+    wide = [ln for ln in report.describe_noise(noise).splitlines() if ln.startswith("WARNING")]
+    if wide:   # the picks below may be ties: said beside them, not only under "Measured noise"
+        intro += f'<p class="partial noise-warning">{html.escape(wide[0])}</p>'
     return section("commands", "Commands to copy", intro + "".join(blocks))
 
 
@@ -344,14 +381,16 @@ def curves_section(cfg: StudyConfig, df: pd.DataFrame, levels: pd.DataFrame) -> 
                              f"{n}_{k}", d) for n in order for k, _, d in LEVEL_FIGURES)
         rows.append(f'<tr data-trial="{int(number)}">{marks}{cells}</tr>')
     body += para("every config meets the same levels; one column group per level, first launch "
-                 "of each config (levels.csv holds every launch)")
+                 "of each config (levels.csv holds every launch); a blank TPOT is a level whose "
+                 "tokens arrived together (coalesced: levels.csv column coalesced), which times "
+                 "no decoding")
     body += (f'<div class="wide"><table id="levels"><thead><tr><th rowspan="2">trial</th>'
              f'<th rowspan="2">marks</th>{head}</tr><tr>{sub}</tr></thead>'
              f'<tbody>{"".join(rows)}</tbody></table></div>')
     return section("curves", "Load curves", body)
 
 
-def failures_section(df: pd.DataFrame, params, duplicates: int) -> str:
+def failures_section(df: pd.DataFrame, params, duplicates: int, engine: str = "vLLM") -> str:
     mask = (df["failure"] != "") | (df["state"] != "COMPLETE")
     if "relaunch_failed" in df.columns:
         mask |= df["relaunch_failed"] != ""
@@ -362,7 +401,7 @@ def failures_section(df: pd.DataFrame, params, duplicates: int) -> str:
         items = "".join(f"<li><b>{html.escape(k)}</b> ×{v}: "
                         f"{html.escape(failure_meaning(k))}</li>" for k, v in kinds.items())
         body += f'<ul class="kinds">{items}</ul>'
-        facts = list(FAILURE_FACTS)
+        facts = [(c, h.replace(ENGINE, engine), d) for c, h, d in FAILURE_FACTS]
         if "relaunch_failed" in df.columns:
             facts.insert(0, ("relaunch_failed", "a relaunch failed", None))
         body += f'<div class="wide">{table(failed, params + facts, "failures", _Marks(), drop_empty=True)}</div>'
@@ -370,8 +409,8 @@ def failures_section(df: pd.DataFrame, params, duplicates: int) -> str:
         body += para("no launch failed and no config was skipped")
     if duplicates:
         body += para(f"{duplicates} proposals repeated a measured config and were not launched")
-    body += para("vLLM: what the failed launch's log said; model: what the memory model predicted "
-                 "before the launch (empty where it was off)")
+    body += para(f"{engine}: what the failed launch's log said; model: what the memory model "
+                 "predicted before the launch (empty where it was off)")
     return section("failures-section", "Failures and skips", body)
 
 
@@ -398,15 +437,15 @@ def roofline_section(df: pd.DataFrame, params) -> str:
     return section("roofline-section", "Roofline share", body)
 
 
-def baselines_section(df: pd.DataFrame, params) -> str:
+def baselines_section(df: pd.DataFrame, params, engine: str = "vLLM") -> str:
     rows = df[df["baseline"] != ""] if len(df) else df
     if rows.empty:
         return section("baselines", "Baselines", para("no baseline measured yet"))
     cols = params + OBJECTIVE_COLUMNS + [("baseline_source", "values from", None),
                                          ("baseline_snapped", "snapped into the space", None)]
     return section("baselines", "Baselines",
-                   para("vLLM's defaults and the hand-tuned config, measured first (marked in "
-                        "every table and plot)") + table(rows, cols, "baselines", _Marks()))
+                   para(f"{engine}'s defaults and the hand-tuned config, measured first (marked "
+                        "in every table and plot)") + table(rows, cols, "baselines", _Marks()))
 
 
 def trials_section(cfg: StudyConfig, df: pd.DataFrame, params) -> str:
@@ -487,7 +526,8 @@ def page(study, cfg: StudyConfig, df: pd.DataFrame | None = None,
         sections = [summary_section(study, cfg, df), commands_section(study, cfg, df),
                     front_section(cfg, df, params), noise_section(df),
                     curves_section(cfg, df, levels), roofline_section(df, params),
-                    baselines_section(df, params), failures_section(df, params, duplicates),
+                    baselines_section(df, params, engine_label(cfg)),
+                    failures_section(df, params, duplicates, engine_label(cfg)),
                     trials_section(cfg, df, params)]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             '<meta name="viewport" content="width=device-width, initial-scale=1">'

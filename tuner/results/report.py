@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -101,6 +102,7 @@ def trials_frame(study, tie_tolerance: float = 0.02, requirement=None) -> pd.Dat
     df["strict_pareto"] = pareto_mask(df, 0.0, None) if len(df) else []
     rest = [c for c in df.columns if c not in first]
     df = df[first + rest].sort_values("trial").reset_index(drop=True)
+    blank_coalesced(df)
     df.attrs["noise"] = noise
     df.attrs["defaults"] = defaults_point(study)
     return df
@@ -141,6 +143,28 @@ def level_columns(levels: list[dict]) -> dict:
             if key in lv:
                 out[f"{lv['name']}_{key}"] = lv[key]
     return out
+
+
+# A TPOT or ITL figure below the gap at which load/metrics.py calls chunks coalesced (one read)
+# times no decoding: the streams arrived together (a starved client, a proxy); shown blank, not 0.
+_PER_TOKEN = re.compile(r"(^|_)(tpot|itl)_ms(_p\d+|_mean)?$")
+
+
+def coalesced_floor_ms() -> float:
+    from tuner.load.metrics import COALESCED_GAP_S
+
+    return COALESCED_GAP_S * 1e3
+
+
+def blank_coalesced(df: pd.DataFrame) -> pd.DataFrame:
+    """TPOT/ITL columns of `df` (client-side, not the server's `server_itl_ms_mean`) with every
+    value below the coalesced floor made NaN, in place."""
+    floor = coalesced_floor_ms()
+    for col in df.columns:
+        if isinstance(col, str) and _PER_TOKEN.search(col) and not col.startswith("server_"):
+            values = pd.to_numeric(df[col], errors="coerce")
+            df[col] = values.where(~(values < floor))
+    return df
 
 
 def pareto_mask(df: pd.DataFrame, tie_tolerance: float, noise: dict | None = None) -> pd.Series:
@@ -224,7 +248,8 @@ def write_trials(study, cfg: StudyConfig) -> pd.DataFrame:
 
 
 def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame:
-    """trials.csv, pareto.csv, levels.csv, noise.json, the plots, best-command.sh, report.html."""
+    """trials.csv, pareto.csv, levels.csv, noise.json, the plots, best-command.sh, report.html;
+    then the outputs of an earlier report that storage no longer backs are removed."""
     import json
 
     from tuner.results import export, html
@@ -237,26 +262,117 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
     levels = levels_frame(study)
     _write_csv(levels, folder / "levels.csv")
     (folder / "noise.json").write_text(json.dumps(df.attrs.get("noise", {}), indent=2) + "\n")
-    plot_all(df, folder, title=cfg.name, levels=levels)
+    written = {"trials.csv", "pareto.csv", "levels.csv", "noise.json", "report.html"}
+    written |= {p.name for p in plot_all(df, folder, title=cfg.name, levels=levels)}
     if len(offered):
-        row = export.choose(offered, prefer, df.attrs.get("noise"), cfg.tie_tolerance)
-        (folder / "best-command.sh").write_text(export.script(row, study, cfg, warning=warning))
+        noise = df.attrs.get("noise")
+        row = export.choose(offered, prefer, noise, cfg.tie_tolerance)
+        why = export.choice_note(offered, row, prefer, noise, cfg.tie_tolerance)
+        (folder / "best-command.sh").write_text(
+            export.script(row, study, cfg, warning=warning, prefer=prefer, why=why))
+        written.add("best-command.sh")
     html.write(study, cfg, df, levels)
+    remove_stale(folder, written, study)
     return df
 
 
+# What a report writes into results/NAME/: only these names (and trials/<number>/*.log) are ever
+# removed as stale, never anything a person put there.
+REPORT_OUTPUTS = ("trials.csv", "pareto.csv", "levels.csv", "noise.json", "report.html",
+                  "best-command.sh", "pareto.png", "parameters.png", "curves.png")
+
+
+def remove_stale(folder: Path, written: set[str], study) -> list[Path]:
+    """Remove from `folder` (results/NAME/) the report outputs this report did not write (a
+    best-command.sh when nothing is feasible now, a plot with nothing to draw) and the launch logs
+    of trials storage no longer holds (trials/N/*.log, then the folder if that emptied it), as
+    when the study was created anew at the same storage URL. Returns what was removed."""
+    removed = []
+    for name in REPORT_OUTPUTS:
+        path = folder / name
+        if name not in written and path.is_file() and not path.is_symlink():
+            path.unlink()
+            removed.append(path)
+    trials = folder / "trials"
+    if not trials.is_dir() or trials.is_symlink():
+        return removed
+    # listed before storage is read: a trial asked meanwhile is in storage by the time its
+    # folder could be in this list, so a running study never loses a live log
+    listed = [p for p in trials.iterdir() if p.is_dir() and not p.is_symlink()
+              and p.name.isdigit() and str(int(p.name)) == p.name]
+    numbers = {t.number for t in study.get_trials(deepcopy=False)}
+    for path in listed:
+        if int(path.name) in numbers:
+            continue
+        for log in path.glob("*.log"):
+            if log.is_file() and not log.is_symlink():
+                log.unlink()
+                removed.append(log)
+        try:
+            path.rmdir()    # only when the logs were all it held
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def level_frame_columns() -> list[str]:
+    """levels.csv's columns, also when nothing was measured (a header, never an empty file)."""
+    from dataclasses import fields
+
+    from tuner.records import LevelMetrics
+
+    return ["trial", "launch", "kind", *(f.name for f in fields(LevelMetrics)), "coalesced",
+            "single_stream_source"]
+
+
 def levels_frame(study) -> pd.DataFrame:
-    """One row per launch and load level: each config's throughput-latency curve, every run."""
+    """One row per launch and load level: each config's throughput-latency curve, every run.
+
+    `coalesced`: most of the level's chunks arrived together, so its TPOT/ITL figures time no
+    decoding (those below the coalesced floor are blank). `single_stream_source` (single_stream
+    rows): see single_stream_source."""
     from optuna.trial import TrialState
 
+    floor = coalesced_floor_ms()
     rows = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        launches = [("trial", t.user_attrs.get("levels", []))]
-        launches += [(r.get("kind", "run"), r.get("levels", [])) for r in extra_runs(study, t.number)]
-        for i, (kind, levels) in enumerate(launches):
+        launches = [("trial", t.user_attrs.get("levels", []), t.user_attrs)]
+        launches += [(r.get("kind", "run"), r.get("levels", []), r) for r in extra_runs(study, t.number)]
+        for i, (kind, levels, attrs) in enumerate(launches):
             for lv in levels:
-                rows.append({"trial": t.number, "launch": i, "kind": kind, **lv})
-    return pd.DataFrame(rows)
+                row = {"trial": t.number, "launch": i, "kind": kind, **lv}
+                itl = _number(lv.get("itl_ms"))
+                row["coalesced"] = itl is not None and itl < floor
+                if lv.get("name") == "single_stream":
+                    row["single_stream_source"] = single_stream_source(lv, attrs, row["coalesced"])
+                rows.append(row)
+    if not rows:
+        return pd.DataFrame(columns=level_frame_columns())
+    return blank_coalesced(pd.DataFrame(rows))
+
+
+def single_stream_source(level: dict, attrs: dict, coalesced: bool) -> str:
+    """Where a launch's single-stream figure came from (load/metrics.summarize): "client" (the
+    streams' own timing), "server_itl" or "server_decode" (the server's counters, the streams having
+    arrived together), "untimed" (coalesced, nothing stood in), "" (not measured). A replicate's
+    run record keeps no source: its server-side figure reads "server"."""
+    if _number(level.get("decode_tok_s")) is not None:
+        return "client"
+    stored = attrs.get("single_stream_source")
+    if stored and stored != "client":
+        return str(stored)
+    if _number(attrs.get("single_stream_tok_s")) is not None:
+        return "server"
+    return "untimed" if coalesced else ""
+
+
+def _number(value) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
 
 
 def _write_csv(df: pd.DataFrame, path: Path) -> None:
@@ -273,6 +389,32 @@ STYLE = {"pareto": dict(color="#d62728", marker="*", s=160, zorder=4, label="Par
          "infeasible": dict(color="#ff7f0e", marker="x", s=60, zorder=2,
                             label="infeasible (SLO / load test)"),
          "failed": dict(color="#000000", marker="s", s=30, zorder=1, label="failed")}
+# A front member that a strict Pareto member beats on every objective, kept only because the
+# difference is within the noise: the same star, hollow.
+TIE_STYLE = dict(facecolors="none", edgecolors="#d62728", linewidths=1.4, marker="*", s=160,
+                 zorder=4, label="Pareto set: ties within noise (a strict member beats it)")
+STRICT_LABEL = "Pareto set (strict: nothing beats it)"
+# Configs never launched, each for its reason: their own marker, never "infeasible".
+NOT_LAUNCHED = {
+    "predicted_dominated": dict(color="#9467bd", marker="v", label="not launched: predicted dominated"),
+    "predicted_infeasible": dict(color="#8c564b", marker="1",
+                                 label="not launched: predicted not to fit"),
+    "gpu_busy": dict(color="#17becf", marker="p", label="not launched: GPU busy"),
+    "budget_spent": dict(color="#bcbd22", marker="h", label="not launched: budget spent"),
+}
+
+
+def plot_kind(row) -> str:
+    """outcome(row), with "tie" for a front member that is no strict Pareto member, and
+    "skip:KIND" for a config never launched (NOT_LAUNCHED)."""
+    failure = row.get("failure")
+    if isinstance(failure, str) and failure in NOT_LAUNCHED:
+        return f"skip:{failure}"
+    kind = outcome(row)
+    strict = row.get("strict_pareto")
+    if kind == "pareto" and strict is not None and not pd.isna(strict) and not bool(strict):
+        return "tie"
+    return kind
 
 
 def plot_all(df: pd.DataFrame, folder: Path, title: str = "",
@@ -282,7 +424,8 @@ def plot_all(df: pd.DataFrame, folder: Path, title: str = "",
     matplotlib.use("Agg")
     paths = [plot_projections(df, folder / "pareto.png", title),
              plot_parameters(df, folder / "parameters.png", title)]
-    if levels is not None and {"throughput_tok_s", "ttft_ms"} <= set(levels.columns):
+    if levels is not None and not levels.empty and {"throughput_tok_s", "ttft_ms"} <= set(levels.columns) \
+            and levels[["throughput_tok_s", "ttft_ms"]].notna().all(axis=1).any():
         paths.append(plot_curves(df, levels, folder / "curves.png", title))
     return paths
 
@@ -316,18 +459,50 @@ def plot_curves(df: pd.DataFrame, levels: pd.DataFrame, path: Path, title: str =
 
 
 def plot_projections(df: pd.DataFrame, path: Path, title: str = "") -> Path:
-    """The three pairwise projections of the objectives; failures counted in the title."""
+    """pareto.png: projections_figure saved and closed."""
+    import matplotlib.pyplot as plt
+
+    fig = projections_figure(df, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def projections_figure(df: pd.DataFrame, title: str = ""):
+    """The three pairwise projections of the objectives; failures counted in the title. Front
+    members carry their trial numbers and their spread (± over runs, else the study's noise) as
+    error bars; strict Pareto members are filled stars, members kept only as ties within the noise
+    hollow ones."""
     import matplotlib.pyplot as plt
 
     pairs = [("single_stream_tok_s", "throughput_tok_s"), ("ttft_ms", "throughput_tok_s"),
              ("ttft_ms", "single_stream_tok_s")]
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
     measured = df[df[list(OBJECTIVES)].notna().all(axis=1)]
+    kinds = measured.apply(plot_kind, axis=1) if len(measured) else pd.Series(dtype=str)
+    noise = df.attrs.get("noise")
+    front = measured[kinds.isin(["pareto", "tie"])]
+    spreads = {k: [spread(row, k, noise) for _, row in front.iterrows()] for k in OBJECTIVES}
     for ax, (x, y) in zip(axes, pairs):
-        for kind in ("dominated", "infeasible", "pareto"):
-            part = measured[measured.apply(outcome, axis=1) == kind]
-            if len(part):
-                ax.scatter(part[x], part[y], **STYLE[kind])
+        for kind in ("dominated", "infeasible", "tie", "pareto"):
+            part = measured[kinds == kind]
+            if not len(part):
+                continue
+            style = TIE_STYLE if kind == "tie" else \
+                dict(STYLE["pareto"], label=STRICT_LABEL) if kind == "pareto" and \
+                "strict_pareto" in df.columns else STYLE[kind]
+            ax.scatter(part[x], part[y], **style)
+        if len(front):
+            xerr = pd.Series(spreads[x], index=front.index)
+            yerr = pd.Series(spreads[y], index=front.index)
+            has = xerr.notna() | yerr.notna()
+            if has.any():
+                ax.errorbar(front[x][has], front[y][has], xerr=xerr[has].fillna(0).to_numpy(),
+                            yerr=yerr[has].fillna(0).to_numpy(), fmt="none", ecolor="#d62728",
+                            elinewidth=0.8, alpha=0.6, capsize=2, zorder=3)
+            for _, row in front.iterrows():
+                ax.annotate(str(int(row["trial"])), (row[x], row[y]), textcoords="offset points",
+                            xytext=(6, 5), fontsize=8, color="#d62728")
         for _, row in measured[measured["baseline"] != ""].iterrows():
             ax.annotate(row["baseline"], (row[x], row[y]), textcoords="offset points",
                         xytext=(6, -12), fontsize=8, color="#1f77b4")
@@ -339,15 +514,17 @@ def plot_projections(df: pd.DataFrame, path: Path, title: str = "") -> Path:
     handles, labels = axes[0].get_legend_handles_labels()
     handles.append(plt.scatter([], [], facecolors="none", edgecolors="#1f77b4", s=120))
     labels.append("baseline")
+    if len(front) and any(pd.notna(v) for vs in spreads.values() for v in vs):
+        handles.append(plt.Line2D([], [], color="#d62728", lw=0.8, alpha=0.6))
+        labels.append("± spread (over runs, else the study's noise)")
     axes[0].legend(handles, labels, fontsize=8, loc="best")
     counts = df["failure"].replace("", pd.NA).dropna().value_counts()
     unmeasured = ", ".join(f"{k} ×{v}" for k, v in counts.items() if k != "load_test_failed")
     fig.suptitle(f"{title}: {len(measured)} measured configs"
-                 + (f"; failed, skipped or infeasible: {unmeasured}" if unmeasured else ""), fontsize=11)
+                 + (f"; failed, skipped or infeasible: {unmeasured}" if unmeasured else "")
+                 + ("; numbers: trials on the front" if len(front) else ""), fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _map_flags(df: pd.DataFrame):
@@ -362,7 +539,18 @@ def _map_flags(df: pd.DataFrame):
 
 
 def plot_parameters(df: pd.DataFrame, path: Path, title: str = "") -> Path:
-    """Where the good configs live: gmu × max-model-len (size = max-num-seqs), and parallel coordinates."""
+    """parameters.png: parameters_figure saved and closed."""
+    import matplotlib.pyplot as plt
+
+    fig = parameters_figure(df, title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def parameters_figure(df: pd.DataFrame, title: str = ""):
+    """Where the good configs live: gmu × max-model-len (size = max-num-seqs), and parallel
+    coordinates. A config never launched has its reason's own marker (NOT_LAUNCHED)."""
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -370,17 +558,23 @@ def plot_parameters(df: pd.DataFrame, path: Path, title: str = "") -> Path:
     xcol, ycol = (fx.name if fx else "trial"), (fy.name if fy else "trial")
 
     fig, (ax, pc) = plt.subplots(1, 2, figsize=(16, 5.5), gridspec_kw={"width_ratios": [1, 1.4]})
-    kinds = df.apply(outcome, axis=1) if len(df) else pd.Series(dtype=str)
+    kinds = df.apply(plot_kind, axis=1) if len(df) else pd.Series(dtype=str)
     mem = df["failure"].isin(["kv_cache_too_small", "oom", "no_cache_blocks",
-                              "insufficient_free_memory", "cpu_offload", "predicted_infeasible"])
-    style = dict(STYLE)
-    style["infeasible"] = dict(STYLE["infeasible"], label="infeasible")
-    for kind in ("failed", "infeasible", "dominated", "pareto"):
+                              "insufficient_free_memory", "cpu_offload"])
+    style = {k: dict(v) for k, v in STYLE.items()}
+    style["infeasible"]["label"] = "infeasible (launched)"
+    style["tie"] = dict(TIE_STYLE)
+    style["pareto"]["label"] = STRICT_LABEL if "strict_pareto" in df.columns else "Pareto set"
+    for failure, st in NOT_LAUNCHED.items():
+        style[f"skip:{failure}"] = dict(st, s=60, zorder=2)
+    order = ["failed", *(f"skip:{f}" for f in NOT_LAUNCHED), "infeasible", "dominated", "tie",
+             "pareto"]
+    for kind in order:
         part = df[(kinds == kind) & df[xcol].notna()]
         if len(part):
             sizes = (30 + 12 * np.log2(part[fsize.name].astype(float).clip(lower=1))) if fsize else 40.0
             st = dict(style[kind])
-            st["s"] = sizes * (2 if kind == "pareto" else 1)
+            st["s"] = sizes * (2 if kind in ("pareto", "tie") else 1)
             ax.scatter(part[xcol].astype(float), part[ycol].astype(float), **st)
     for _, row in df[mem & df[xcol].notna()].iterrows():
         ax.annotate(row["failure"].replace("_", " "), (row[xcol], row[ycol]), fontsize=6,
@@ -400,24 +594,26 @@ def plot_parameters(df: pd.DataFrame, path: Path, title: str = "") -> Path:
     lo, hi = data.min(), data.max()
     scaled = (data - lo) / (hi - lo).replace(0, 1)
     xs = np.arange(len(axes_cols))
-    for kind in ("failed", "infeasible", "dominated", "pareto"):
+    for kind in order:
         for i in df.index[kinds == kind]:
             ys = scaled.loc[i].to_numpy(dtype=float)
-            pc.plot(xs, ys, color=STYLE[kind]["color"], alpha=0.9 if kind == "pareto" else 0.35,
-                    lw=2.2 if kind == "pareto" else 1, ls="--" if kind != "pareto" and
-                    kind != "dominated" else "-")
+            on = kind in ("pareto", "tie")
+            colour = style[kind].get("color", style[kind].get("edgecolors"))
+            pc.plot(xs, ys, color=colour, alpha=0.9 if kind == "pareto" else 0.35,
+                    lw=2.2 if on else 1,
+                    ls="-" if kind in ("pareto", "tie", "dominated") else ":" if kind.startswith("skip:")
+                    else "--")
     pc.set_xticks(xs, [c.replace("_", "\n") for c in axes_cols], fontsize=8)
     for x, c in zip(xs, axes_cols):
         pc.annotate(f"{lo[c]:.3g}", (x, -0.04), ha="center", fontsize=7, va="top")
         pc.annotate(f"{hi[c]:.3g}", (x, 1.02), ha="center", fontsize=7)
     pc.set_yticks([])
     pc.set_ylim(-0.12, 1.1)
-    pc.set_title("parallel coordinates (red: Pareto set, grey: dominated, dashed: infeasible/failed)")
+    pc.set_title("parallel coordinates (red: Pareto set, faint red: its ties within noise, grey: "
+                 "dominated, dashed: infeasible/failed, dotted: not launched)", fontsize=9)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def describe_noise(noise: dict | None) -> str:
