@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -147,12 +148,11 @@ def test_doctor_says_which_contexts_start_before_any_launch():
     per_length = [ln for ln in text.splitlines() if "max-model-len " in ln]
     assert len(per_length) == 2 and all("does not start" in ln for ln in per_length)
     assert "max-model-len 4096: KV cache ~0 tokens" in text
-    # a problem, so `doctor` exits 1 (it counts lines with " PROBLEM: ")
-    assert "PROBLEM: no context of the space starts: longest ~0 tokens" in text
-    # more gmu cannot help: the hint names what can
+    # a problem, so `doctor` exits 1 (it counts lines with " PROBLEM: "), and the one `run`
+    # refuses with: the weights alone outgrow the whole card, so more gmu cannot help
+    assert ("PROBLEM: no config of the space can start: the weights alone, ~17.4 GiB, exceed the "
+            "device's 15.8 GiB: offload (--cpu-offload-gb) or use a smaller or quantized model") in text
     assert "raise gmu" not in text
-    assert "the weights on the device, ~17.4 GiB, fill the 14.5 GiB share" in text
-    assert "add cpu_offload_gb to [space]" in text
     # with up to 8 GiB offloaded a 4k context starts and a 32k one does not
     text = fits("qwen2.5-32b-awq", [0, 8])
     assert "cpu-offload 8 GiB" in text and "PROBLEM" not in text
@@ -298,3 +298,25 @@ def test_doctor_says_when_the_space_s_contexts_cannot_hold_the_workload_s_reques
     assert 0 < lost <= 0.2, lost      # the mix is seeded: the same lengths every time
     assert len(said) == 1 and "max_model_len 1,024 refuses up to 2% of a level's requests" in said[0], said
     assert "rejected_for_length" in said[0]
+
+
+def test_run_refuses_a_model_whose_weights_outgrow_the_whole_device(tmp_path):
+    # 131 GiB of 70B weights on this host (or under a 16 GiB budget): no share of it can hold them
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    for extra in ([], ["--memory-budget-gib", "16"]):
+        p = subprocess.run([sys.executable, "-m", "tuner", "run", "--study", "gpu", "--model",
+                            "preset:llama-3.1-70b", "--trials", "1", "--engine", "/bin/false",
+                            "--storage", f"sqlite:///{tmp_path}/s.db", "--results", str(tmp_path / "r"),
+                            *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr
+        last = p.stderr.strip().splitlines()[-1]
+        assert last.startswith("tuner: error: no config of the space can start: the weights alone, "
+                               "~131.4 GiB, exceed")
+        assert not (tmp_path / "r").exists()
+
+
+def test_request_counts_are_floored_so_a_fraction_never_reads_as_a_whole_request():
+    from tuner.cli import _count
+
+    assert _count(0.99) == "0.99" and _count(0.5) == "0.50"
+    assert _count(1.0) == "1.0" and _count(9.99) == "9.9" and _count(250.7) == "250"

@@ -644,6 +644,7 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
     from tuner import engines
     from tuner.config import fixed_flag_values
     from tuner.search import space
+    from tuner.search import feasibility
     from tuner.search.feasibility import kv_dtype_bytes
     from tuner.search.study import memory_scale
 
@@ -700,7 +701,10 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
     # Nothing starts, and by more than the model's margin of error: doctor exits 1 before the user
     # spends a launch on it (within the margin, uncalibrated, it is a line, not a problem).
     clearly_none = longest is not None and longest <= 0 and pred.kv_budget_gib < -pred.band_gib
-    if clearly_none:
+    too_big = feasibility.weights_exceed_device(mm, base.cpu_offload_gb, cfg.memory_budget_gib)
+    if too_big:   # what `run` refuses: no share of the device holds the weights
+        lines.append(f"           PROBLEM: no config of the space can start: {too_big}")
+    elif clearly_none:
         lines.append(f"           PROBLEM: no context of the space starts: longest ~0 tokens "
                      f"({_nothing_starts_hint(pred, platform.kind, dims)})")
     elif longest is not None:
@@ -719,7 +723,7 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
         need = req.sequences_at_context * req.context_tokens
         held = pred.kv_cache_tokens / req.context_tokens
         said = (f"{req.sequences_at_context} requests of {req.context_tokens:,} tokens at once need "
-                f"~{need:,} KV tokens; the space gives at most ~{pred.kv_cache_tokens:,} ({held:.1f} at once)"
+                f"~{need:,} KV tokens; the space gives at most ~{pred.kv_cache_tokens:,} ({_count(held)} at once)"
                 + (" (uncertain)" if pred.uncertain else ""))
         if pred.kv_cache_tokens >= need:
             lines.append(f"requirement {said}: met")
@@ -732,7 +736,9 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
 def _count(x: float) -> str:
     """A number of requests: a fraction matters below ten (0.8: not even one at full length);
     above, whole requests (250.7 is 250 at once, not 251)."""
-    return f"{x:.1f}" if x < 10 else f"{int(x):,}"
+    if x < 10:   # floored: 0.99 is not one request
+        return f"{math.floor(x * 10) / 10:.1f}" if x >= 1 else f"{math.floor(x * 100) / 100:.2f}"
+    return f"{int(x):,}"
 
 
 def _nothing_starts_hint(pred, platform_kind: str, dims) -> str:

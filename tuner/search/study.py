@@ -674,12 +674,29 @@ class Tuner:
 
     # -- the loop
 
+    def check_weights_fit(self) -> None:
+        """Refuse (exit 2) a study whose model's weights, less the most offload it allows, exceed
+        the whole device or the memory budget: no config of the space could start."""
+        from tuner.config import fixed_flag_values
+        from tuner.search import feasibility
+
+        if self.memory_model is None:
+            return
+        offload = fixed_flag_values(self.cfg.extra_args, self.cfg.source).get("cpu_offload_gb")
+        for d in self.cfg.dimensions:
+            if d.name == "cpu_offload_gb":
+                offload = max(d.choices) if d.choices else d.high
+        why = feasibility.weights_exceed_device(self.memory_model, offload, self.cfg.memory_budget_gib)
+        if why:
+            raise TunerError(f"no config of the space can start: {why}")
+
     def run(self, n_trials: int, time_limit_s: float | None = None) -> optuna.Study:
         """Launch and measure trials until the study holds `n_trials` launches. With `time_limit_s`,
         start no launch that the study's own trials say would end after that many seconds from now:
         stop instead, with everything measured kept, to resume with the same command."""
         from tuner.results import report
 
+        self.check_weights_fit()
         study = self.open()
         done = self.launched_count(study)
         if done >= n_trials:
