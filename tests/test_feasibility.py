@@ -634,3 +634,14 @@ def test_weights_near_the_share_stay_uncertain_before_a_launch(llama8b):
     model = MemoryModel(llama8b, 16 * GIB, "cuda")
     p = model.predict(ServerParams(gpu_memory_utilization=0.93, max_model_len=4096))
     assert not p.fits and p.uncertain
+
+
+def test_the_study_s_dtype_flag_reaches_the_memory_model(tmp_path):
+    # `--dtype float32` in extra_args (or the float16 a card without bfloat16 is given) sizes it
+    from tuner import engines
+
+    vllm = engines.get("vllm")
+    plain = vllm.memory_model(str(TINY_MODEL), CPU_TOTAL, "cpu")
+    wide = vllm.memory_model(str(TINY_MODEL), CPU_TOTAL, "cpu", ("--enforce-eager", "--dtype=float32"))
+    assert wide.shape.weights_bytes == 2 * plain.shape.weights_bytes
+    assert vllm.memory_model(str(TINY_MODEL), CPU_TOTAL, "cpu", ("--dtype", "float16")).shape.dtype_bytes == 2

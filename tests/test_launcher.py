@@ -232,6 +232,12 @@ def test_launch_phases_become_trial_attrs_and_the_rest_is_other():
                           failure=LaunchFailure(kind="kv_cache_too_small", message="x"))
     assert run_dict(failed, "replicate")["launch_other_s"] == 38.3
     assert launch_phase_attrs(TrialOutcome(ServerParams(0.5, 4096, 256), launch_s=9.0)) == {}
+    # a replicate keeps where its single-stream figure came from (levels.csv shows it)
+    from tuner.records import LoadMetrics
+
+    served = TrialOutcome(ServerParams(0.5, 4096, 256), launch_s=9.0,
+                          metrics=LoadMetrics(single_stream_tok_s=250.0, single_stream_source="server_itl"))
+    assert run_dict(served, "replicate")["single_stream_source"] == "server_itl"
 
 
 # --------------------------------------------------------------------------- argv and engine

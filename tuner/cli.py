@@ -496,7 +496,7 @@ def cmd_measure(args) -> int:
     model, extra = resolve_model(cfg)
     if cfg.use_memory_model and os.path.isdir(model):
         # a config.json the memory model cannot read is refused as `run` refuses it (exit 2)
-        engines.get().memory_model(model, platform.memory_total_bytes, platform.kind)
+        engines.get().memory_model(model, platform.memory_total_bytes, platform.kind, extra)
     params = scaled(params_from(values), memory_scale(cfg, platform))
     if platform.kind == "cuda":
         devices.check_gpu_free(int(params.gpu_memory_utilization * platform.memory_total_bytes),
@@ -568,7 +568,7 @@ def cmd_doctor(args) -> int:
         values_line = "values     space and fixed flags within vLLM's ranges and the model's limit"
     except TunerError as e:
         fitted, values_line = cfg, f"values     PROBLEM: {e}"
-    lines += doctor_fit_lines(fitted, platform, model)
+    lines += doctor_fit_lines(fitted, platform, model, extra)
     lines.append(values_line)
     lines += doctor_workload_lines(fitted)
     try:
@@ -636,7 +636,7 @@ def doctor_workload_lines(cfg) -> list[str]:
             f"such configs are skipped without a launch"]
 
 
-def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
+def doctor_fit_lines(cfg, platform, model: str | None, extra_args=()) -> list[str]:
     """What the memory model predicts before any launch: per max-model-len of the space, the KV
     cache at the most memory the space gives it (top gmu and cpu-offload, fewest sequences, the
     fixed flags), how many requests of that length it holds, and whether vLLM would start; then
@@ -651,7 +651,8 @@ def doctor_fit_lines(cfg, platform, model: str | None) -> list[str]:
     if not model or not os.path.isdir(model):
         return []
     try:
-        mm = engines.get(cfg.engine_name).memory_model(model, platform.memory_total_bytes, platform.kind)
+        mm = engines.get(cfg.engine_name).memory_model(model, platform.memory_total_bytes,
+                                                       platform.kind, extra_args)
         scale = memory_scale(cfg, platform)
     except TunerError as e:
         return [f"fits       PROBLEM: {e}"]

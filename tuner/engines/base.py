@@ -221,8 +221,10 @@ class Engine(Protocol):
         """The engine's own values of its flags when absent, for this model and device; None when
         they cannot be read (then each flag's `default` is assumed)."""
 
-    def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str):
-        """A model predicting which configs fit in memory, or None when the engine has none."""
+    def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
+                     extra_args=()):
+        """A model predicting which configs fit in memory, or None when the engine has none;
+        `extra_args` are the fixed flags it is launched with (a --dtype among them)."""
 
 
 # ---------------------------------------------------------------- helpers for log classifiers

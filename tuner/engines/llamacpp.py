@@ -220,7 +220,8 @@ class LlamaCpp:
     def read_defaults(self, engine_cmd, model, extra_args, env=None) -> dict | None:
         return None   # each flag's `default` is llama-server's own (ctx_size: the model's)
 
-    def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str):
+    def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
+                     extra_args=()):
         return None
 
 

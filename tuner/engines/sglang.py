@@ -186,7 +186,8 @@ class SGLang(LogsInModule):
     def read_defaults(self, engine_cmd, model, extra_args, env=None) -> dict | None:
         return None   # SGLang's defaults come from the device's memory at launch; not read here
 
-    def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str):
+    def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
+                     extra_args=()):
         return None
 
 

@@ -150,11 +150,15 @@ class Vllm(LogsInModule):
 
         return vllm_defaults.read_defaults(engine_cmd, model, extra_args, env=env)
 
-    def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str):
+    def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
+                     extra_args=()):
+        """`extra_args`' --dtype (the study's, or the one a card without bfloat16 is given) sizes
+        weights and KV cache; without it, the dtype vLLM's `auto` picks."""
+        from tuner.run.devices import flag_value
         from tuner.search import feasibility
 
-        return feasibility.MemoryModel(feasibility.model_shape(model_dir), device_memory_bytes,
-                                       platform)
+        shape = feasibility.model_shape(model_dir, dtype=flag_value(extra_args, "--dtype"))
+        return feasibility.MemoryModel(shape, device_memory_bytes, platform)
 
 
 ENGINE = Vllm()

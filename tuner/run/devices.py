@@ -582,7 +582,7 @@ def supported_dtype(device: GpuInfo | None, model_config: dict,
     bfloat16 on cards that have it) needs --dtype float16 on a card of compute capability < 8.0
     (V100 is 7.0, T4 7.5), which has no bfloat16 units. The user's own --dtype always wins.
     """
-    given = _flag_value(extra_args, "--dtype")
+    given = flag_value(extra_args, "--dtype")
     if given is not None:
         return DtypeChoice(None, f"--dtype {given} from [server] extra_args")
     declared = model_dtype(model_config)
@@ -613,7 +613,7 @@ def dtype_flags(model_dir, device: GpuInfo | None, extra_args: tuple[str, ...] |
     return supported_dtype(device, config, extra_args).flags
 
 
-def _flag_value(argv, flag: str) -> str | None:
+def flag_value(argv, flag: str) -> str | None:
     """The value of `flag` in an argv list (`--flag v` or `--flag=v`), the last one winning."""
     value = None
     argv = list(argv)

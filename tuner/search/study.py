@@ -176,7 +176,7 @@ class Tuner:
             return None
         try:
             return engines.get().memory_model(self.model, self.platform.memory_total_bytes,
-                                              self.platform.kind)
+                                              self.platform.kind, self.extra_args)
         except (OSError, ValueError, KeyError) as e:
             log(f"memory model off: cannot read the model's shape ({e})")
             return None
@@ -187,10 +187,11 @@ class Tuner:
             return self.memory_model.shape
         if self.platform.bandwidth_gbps is None or not (Path(self.model) / "config.json").exists():
             return None
+        from tuner.run.devices import flag_value
         from tuner.search import feasibility
 
         try:
-            return feasibility.model_shape(self.model)
+            return feasibility.model_shape(self.model, dtype=flag_value(self.extra_args, "--dtype"))
         except (TunerError, OSError, ValueError, KeyError):
             return None
 

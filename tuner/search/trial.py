@@ -153,6 +153,7 @@ def run_dict(outcome: TrialOutcome, kind: str) -> dict:
         run["failure_message"] = outcome.failure.message[:300]
     if m is not None:
         run.update({k: getattr(m, k) for k in OBJECTIVES})
+        run["single_stream_source"] = m.single_stream_source
         run["levels"] = level_dicts(m)
         if m.load_test_failed:
             run["failure_message"] = m.load_test_failed[:300]
