@@ -44,7 +44,8 @@ FAILURE_MEANING = {
     "predicted_dominated": "not launched: its best possible figures, read off launches already "
                            "measured, are beaten beyond the noise (screened_by names the trial)",
     "gpu_busy": "not launched: the GPU stayed busy",
-    "load_test_failed": "launched, but too many requests of a load level failed",
+    "load_test_failed": "launched, but the load test did not measure it (too many requests of a level "
+                        "failed, or a figure could not be timed: see the trial's failure_message)",
     "startup_timeout": "the server did not become ready in time",
     "interrupted": "the run was stopped during this trial; the config was queued again",
     "tuner_error": "a fault of the tuner itself",
