@@ -69,6 +69,13 @@ def main() -> int:
         ap.error("--levels above 1 and --rounds of at least 1")
     if bool(a.base_url) != bool(a.model):
         ap.error("--base-url and --model go together")
+    if a.base_url:
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(a.base_url.rstrip("/") + "/v1/models", timeout=10).close()
+        except OSError as e:
+            ap.error(f"--base-url {a.base_url}: no server answers /v1/models ({e})")
     proc = None
     if a.base_url is None:
         from fidelity import start_server, stop_server

@@ -31,7 +31,8 @@ def server_faults(work: Path, model: Path) -> list[dict]:
     from optuna.trial import TrialState
 
     from tuner.config import parse_study
-    from tuner.search.study import Tuner
+    from tuner.errors import TunerError
+    from tuner.search.study import SKIPPED_KINDS, Tuner
 
     cases = [(f"dies at start: {kind}", fk.fake_engine_study(
                  model, engine=(sys.executable, str(fk.FAKE_VLLM)),
@@ -54,11 +55,22 @@ def server_faults(work: Path, model: Path) -> list[dict]:
         folder.mkdir()
         cfg = parse_study(doc, name, {"storage": f"sqlite:///{folder}/s.db",
                                       "results_dir": str(folder / "results")})
-        study = Tuner(cfg, progress=False).run(2)
+        tuner = Tuner(cfg, progress=False)
+        stopped = ""
+        try:
+            study = tuner.run(2)
+        except TunerError as e:
+            # a server that fails every request stops the study (the workload or the client is
+            # wrong, not the config): an outcome of the scenario, with its trial kept
+            study = tuner.open()
+            stopped = " (study stopped: every request failed)" if "requests failed" in str(e) \
+                else f" (study stopped: {str(e)[:60]})"
         pgids = {t.user_attrs.get("server_pgid") for t in study.trials}
-        done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+        # launched trials (skips the search made without a launch are not the scenario's outcome)
+        done = [t for t in study.trials if t.state == TrialState.COMPLETE
+                and t.user_attrs.get("failure") not in (*SKIPPED_KINDS, "budget_spent")]
         kinds = sorted({t.user_attrs.get("failure") or "measured" for t in done})
-        rows.append({"scenario": name, "outcome": ",".join(kinds), "exit": "",
+        rows.append({"scenario": name, "outcome": ",".join(kinds) + stopped, "exit": "",
                      "orphans": len(fk.leftovers(pgids, [str(model)])), "lost": 0,
                      "reached": f"{len(done)}/2"})
     return rows

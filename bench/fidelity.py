@@ -307,7 +307,10 @@ def parse_levels(a) -> list[int]:
     if a.levels and a.concurrency is not None:
         raise SystemExit("give --levels or --concurrency, not both")
     spec = a.levels or str(a.concurrency if a.concurrency is not None else 8)
-    levels = [int(x) for x in spec.split(",") if x.strip()]
+    try:
+        levels = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        levels = []
     if not levels or min(levels) < 1:
         raise SystemExit(f"--levels {spec!r}: concurrency levels of 1 or more, comma-separated")
     return levels
@@ -342,6 +345,13 @@ def main() -> None:
         print("\n".join(table([json.loads(x) for x in a.table.read_text().splitlines() if x.strip()])))
         return
     levels = parse_levels(a)
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds {a.rounds}: at least 1")
+    if a.base_url:
+        try:
+            urllib.request.urlopen(a.base_url.rstrip("/") + "/v1/models", timeout=10).close()
+        except OSError as e:
+            raise SystemExit(f"--base-url {a.base_url}: no server answers /v1/models ({e})")
     t_start = time.monotonic()
 
     def left() -> float:
@@ -433,6 +443,8 @@ def main() -> None:
           f"our session trust_env={a.trust_env}"
           + (": true TTFT is 20 ms + loopback, TPOT 5 ms by construction" if a.synthetic else ""))
     print("\n".join(table(recs, levels)), flush=True)
+    if not recs:
+        raise SystemExit("fidelity: no run was measured (see the errors above)")
 
 
 if __name__ == "__main__":

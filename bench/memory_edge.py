@@ -277,7 +277,7 @@ def main() -> int:
         r["study"] = src["study_name"]
     print_rows(rows)
     print()
-    summarise([r for r in rows if r["study"].startswith("h200")], "H200 (vLLM 0.24)")
+    summarise([r for r in rows if r["study"].startswith("h200")], "GPU studies (H200 and H100, vLLM 0.24)")
     summarise([r for r in rows if r["study"].startswith("grid")], "CPU grid (vLLM 0.32)")
     boundaries(cpu, table)
     print_edges()

@@ -1,6 +1,6 @@
 """Bench: replay samplers against a recorded grid; launches needed to reach 95% of the grid's hypervolume.
 
-The grid (bench/grid.toml, 27 configs of the embedded tiny model on the CPU build) was measured once
+The grid (bench/grid.toml, 36 configs of the embedded tiny model on the CPU build) was measured once
 by the tuner itself; bench/data/grid-tiny-cpu.csv is its trials.csv plus the NUMA node total vLLM
 saw at each launch. Here the real `Tuner` runs again, baselines, duplicate handling and memory model
 included, but its `measure` looks the config up in that table instead of launching vLLM. Each run
@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 import pandas as pd  # noqa: E402
 
 from tuner.config import StudyConfig, load_study  # noqa: E402
-from tuner.errors import TunerError  # noqa: E402
+from tuner.errors import ConfigError, TunerError  # noqa: E402
 from tuner.run.process import Capacity, LaunchFailure  # noqa: E402
 from tuner.run.measure import TrialOutcome  # noqa: E402
 from tuner.load.metrics import LoadMetrics  # noqa: E402
@@ -116,7 +116,8 @@ class GridTable:
         p = spec.params
         key = key_of(p)
         if key not in self.rows:
-            raise KeyError(f"config {key} is not in the recorded grid")
+            raise TableError(f"config {key} of the study's space is not in the table: pass the "
+                             "--study the table was recorded with")
         row = self.rows[key]
         base = TrialOutcome(params=p, argv=("vllm", "serve", spec.model, *p.vllm_flags()),
                             log_path=spec.log_path, launch_s=row.get("launch_s") or 0.0)
@@ -207,6 +208,8 @@ def normaliser(table: GridTable, objectives=OBJECTIVES, log_ttft: bool = True):
     point), 1 its best; TTFT on a log scale by default (40 ms against 80 ms counts as much as 400
     against 800). Objectives left out of `objectives` are 1 for every point (a 2-D or 1-D volume)."""
     feasible = [table.rows[k] for k in table.rows if table.feasible(k)]
+    if not feasible:   # nothing ran: every point is the reference point, the volume 0
+        return lambda row: (0.0,) * len(OBJECTIVES)
 
     def value(row, o):
         return math.log(row[o]) if o == "ttft_ms" and log_ttft else row[o]
@@ -247,6 +250,60 @@ def _area(points) -> float:
 
 
 # ---------------------------------------------------------------- replay
+
+
+class TableError(Exception):
+    """The table cannot answer the replay (a config of the space missing, a bad value)."""
+
+
+def checked_table(path: str | None, need_feasible: bool = True) -> GridTable:
+    """The table, or TableError in one line: a missing or empty file, missing columns, no config
+    that ran (nothing to take a volume of)."""
+    try:
+        table = load_table(path)
+    except FileNotFoundError as e:
+        raise TableError(f"no table at {e.filename}") from e
+    except (KeyError, ValueError, TypeError) as e:
+        raise TableError(f"{path or TABLE}: cannot read the table ({type(e).__name__}: {e})") from e
+    if not table.rows:
+        raise TableError(f"{path or TABLE}: the table holds no config")
+    if need_feasible and not any(table.feasible(k) for k in table.rows):
+        raise TableError(f"{path or TABLE}: no config of the table ran, so there is no volume to reach")
+    return table
+
+
+def space_keys(study_path: Path) -> set[tuple] | None:
+    """The table keys of every config of the study's space (None for a space the table's keys do
+    not span: other searched flags)."""
+    import itertools
+
+    dims = {d.name: d.grid() for d in load_study(study_path).dimensions}
+    names = ("gpu_memory_utilization", "max_model_len", "max_num_seqs")
+    if set(dims) != set(names):
+        return None
+    return {key_of(dict(zip(names, combo))) for combo in itertools.product(*(dims[n] for n in names))}
+
+
+def positive(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def non_negative(text: str) -> int:
+    """argparse type: a whole number of 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
 
 
 class Reached(TunerError):
@@ -495,8 +552,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table", help=f"grid CSV (default {TABLE.relative_to(REPO)}; 'synthetic' "
                                     "for a made-up one)")
     ap.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=SAMPLERS)
-    ap.add_argument("--seeds", type=int, default=20)
-    ap.add_argument("--gp-seeds", type=int, default=10, help="GP is slow per trial")
+    ap.add_argument("--seeds", type=positive, default=20)
+    ap.add_argument("--gp-seeds", type=positive, default=10, help="GP is slow per trial")
     ap.add_argument("--study", type=Path, default=STUDY,
                     help=f"the study file the table was recorded with (default {STUDY.relative_to(REPO)})")
     ap.add_argument("--no-memory-model", action="store_true")
@@ -510,18 +567,35 @@ def main(argv=None) -> int:
     ap.add_argument("--linear-ttft", action="store_true", help="TTFT on a linear scale in the volume")
     ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES,
                     help="score the hypervolume on these (the tuner still optimises all three)")
-    ap.add_argument("--patience", type=int, default=0, metavar="N",
+    ap.add_argument("--patience", type=non_negative, default=0, metavar="N",
                     help="run each seed until the tuner's own early stop (N launches without a "
                          "change of its front beyond the noise) and report where it stopped: "
                          "launches, wall-clock, the share of the grid's volume then")
     ap.add_argument("--record", metavar="RESULTS_DIR", nargs="+",
                     help="write the table from grid runs' results folders and stop")
     args = ap.parse_args(argv)
+    try:
+        return run(args)
+    except (TableError, ConfigError, OSError) as e:
+        print(f"search_efficiency: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
     if args.record:
+        missing = [d for d in args.record if not (Path(d) / "trials.csv").is_file()]
+        if missing:
+            raise TableError(f"no trials.csv in {', '.join(missing)}: give grid runs' results folders")
         record([Path(d) for d in args.record], Path(args.table or TABLE))
         return 0
-
-    table = load_table(args.table)
+    if not Path(args.study).is_file():
+        raise TableError(f"no study file at {args.study}")
+    table = checked_table(args.table)
+    keys = space_keys(args.study) if args.table != "synthetic" else None
+    if keys is not None and keys - set(table.rows):
+        missing = sorted(keys - set(table.rows))
+        raise TableError(f"{len(missing)} of the {len(keys)} configs of {args.study} are not in the "
+                         f"table (e.g. {missing[0]}): pass the --study the table was recorded with")
     if args.within_noise and not table.noise:
         print("search_efficiency: error: --within-noise needs the table's noise.json", file=sys.stderr)
         return 2

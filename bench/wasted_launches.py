@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tempfile  # noqa: E402
 
-from search_efficiency import (SAMPLERS, STUDY, TABLE, GridTable, describe_table,  # noqa: E402
-                               load_table, replay)
+from search_efficiency import (SAMPLERS, STUDY, TABLE, GridTable, TableError,  # noqa: E402
+                               checked_table, describe_table, positive, replay, space_keys)
+from tuner.errors import ConfigError  # noqa: E402
 from tuner.run.process import MEMORY_FAILURES  # noqa: E402
 
 TARGET_SHARE = 0.10
@@ -39,22 +40,45 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", help=f"grid CSV (default {TABLE.name}; 'synthetic' for a made-up one)")
     ap.add_argument("--samplers", nargs="+", default=["gp", "tpe"], choices=SAMPLERS)
-    ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--launches", type=int, default=12, help="launches per run")
+    ap.add_argument("--seeds", type=positive, default=5)
+    ap.add_argument("--launches", type=positive, default=12, help="launches per run")
+    ap.add_argument("--study", type=Path, default=STUDY,
+                    help=f"the study file the table was recorded with (default {STUDY.name})")
     ap.add_argument("--gmu", nargs="+", type=float,
-                    help="search only these gpu-memory-utilization levels of the grid")
+                    help="search only these gpu-memory-utilization levels of the grid "
+                         "(with the default study)")
     args = ap.parse_args(argv)
+    try:
+        return run(args)
+    except (TableError, ConfigError, OSError) as e:
+        print(f"wasted_launches: error: {e}", file=sys.stderr)
+        return 2
 
-    table = load_table(args.table)
-    study = STUDY
+
+def run(args) -> int:
+    if not Path(args.study).is_file():
+        raise TableError(f"no study file at {args.study}")
+    table = checked_table(args.table, need_feasible=False)   # a grid where all fail is a case here
+    study = args.study
     if args.gmu:
         levels = sorted(args.gmu)
+        known = sorted({k[0] for k in table.rows})
+        if not set(levels) <= set(known):
+            raise TableError(f"--gmu {' '.join(map(str, levels))}: the table's levels are "
+                             f"{', '.join(map(str, known))}")
+        line = "gpu_memory_utilization = { choices = [0.03, 0.05, 0.08, 0.12] }"
+        if line not in Path(args.study).read_text():
+            raise TableError(f"--gmu rewrites {STUDY.name}'s gmu choices; {args.study} has others")
         table = GridTable({k: r for k, r in table.rows.items() if k[0] in levels})
-        text = STUDY.read_text().replace(
-            "gpu_memory_utilization = { choices = [0.03, 0.05, 0.08, 0.12] }",
-            f"gpu_memory_utilization = {{ choices = {levels} }}")
+        text = Path(args.study).read_text().replace(
+            line, f"gpu_memory_utilization = {{ choices = {levels} }}")
         study = Path(tempfile.mkdtemp(prefix="wasted-")) / "grid.toml"
         study.write_text(text)
+    keys = space_keys(study) if args.table != "synthetic" else None
+    if keys is not None and keys - set(table.rows):
+        missing = sorted(keys - set(table.rows))
+        raise TableError(f"{len(missing)} of the {len(keys)} configs of {args.study} are not in the "
+                         f"table (e.g. {missing[0]}): pass the --study the table was recorded with")
     print(f"table: {describe_table(table)}")
     memory_rows = sum(1 for r in table.rows.values() if r["failure"] in MEMORY_FAILURES)
     print(f"the whole grid: {memory_rows}/{len(table.rows)} configs fail for memory "

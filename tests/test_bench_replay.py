@@ -32,8 +32,27 @@ def test_table_answers_like_the_launcher():
     ran = table.outcome(spec(0.12, 8192, 4))
     assert ran.failure is None and ran.metrics.throughput_tok_s > 0
     assert ran.capacity.kv_cache_tokens > 8192
-    with pytest.raises(KeyError):
+    with pytest.raises(se.TableError, match="not in the table"):
         table.outcome(spec(0.3, 8192, 4))
+
+
+def test_the_replay_refuses_bad_input_in_one_line(tmp_path, capsys):
+    # a reviewer's tables: none there, none that ran, one missing configs of the study's space
+    assert se.main(["--table", str(tmp_path / "none.csv"), "--seeds", "1"]) == 2
+    assert "no table at" in capsys.readouterr().err
+    import pandas as pd
+
+    grid = pd.read_csv(se.TABLE)
+    failed = tmp_path / "failed.csv"
+    grid.assign(failure="no_cache_blocks", feasible=False).to_csv(failed, index=False)
+    assert se.main(["--table", str(failed), "--seeds", "1"]) == 2
+    assert "no config of the table ran" in capsys.readouterr().err
+    short = tmp_path / "short.csv"
+    grid.iloc[:-3].to_csv(short, index=False)
+    assert se.main(["--table", str(short), "--seeds", "1"]) == 2
+    assert "are not in the table" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        se.main(["--seeds", "0"])
 
 
 def test_replay_reaches_the_grid_hypervolume_and_counts_launches():
