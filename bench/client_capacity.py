@@ -165,8 +165,10 @@ def main() -> None:
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--interval", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--first-delay", type=float, default=0.0, help=argparse.SUPPRESS)
-    ap.add_argument("--duration", type=float, default=6.0, help="seconds per measurement")
+    ap.add_argument("--duration", type=float, default=6.0, help="seconds per measurement (above 0)")
     args = ap.parse_args()
+    if args.duration <= 0:
+        ap.error(f"--duration {args.duration:g}: seconds above 0")
     if args.serve:
         if hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() > 1:
             os.sched_setaffinity(0, {1})

@@ -76,6 +76,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: at least 1")
     latencies = []
     for n in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="failure-latency-") as folder:

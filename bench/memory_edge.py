@@ -252,7 +252,12 @@ def print_edges() -> None:
 
 
 def main() -> int:
-    if "--launch" in sys.argv[1:]:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--launch", action="store_true",
+                    help="also launch the real CPU build at the predicted edges")
+    if ap.parse_args().launch:
         launch_edges()
     tmp = Path(tempfile.mkdtemp(prefix="memory-edge-"))
     rows: list[dict] = []

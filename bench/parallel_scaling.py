@@ -218,6 +218,8 @@ def main(argv=None) -> int:
     if args.as_tuner_worker:
         _child(json.loads(args.as_tuner_worker))
         return 0
+    if min(args.workers) < 1 or args.trials < 1 or args.ms_per_s <= 0:
+        ap.error("--workers and --trials of at least 1, --ms-per-s above 0")
     scale = args.ms_per_s / 1000.0
     poll_s = max(0.05, study_module.WAIT_POLL_S * scale)
     table = GridTable.from_csv(TABLE)

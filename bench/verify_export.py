@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from tuner.results import export, report  # noqa: E402
 from tuner.config import load_study  # noqa: E402
+from tuner.errors import TunerError  # noqa: E402
 from tuner.load.client import load_plan  # noqa: E402
 from tuner.search.storage import load_existing  # noqa: E402
 from tuner.search.trial import extra_runs  # noqa: E402
@@ -146,14 +147,18 @@ def main() -> int:
     ap.add_argument("--study", required=True)
     ap.add_argument("--summarize", nargs="+", type=Path, metavar="VERIFY_TXT",
                     help="no server: set the vllm bench runs printed in these files beside the study")
+    ap.add_argument("--storage", help="the study's storage URL, when not the study file's")
     ap.add_argument("--base-url")
     ap.add_argument("--model")
     ap.add_argument("--seed", type=int, default=1000, help="first of the seeds used, one per level")
     ap.add_argument("--scale", type=int, default=1,
                     help="send SCALE times each level's request count (longer phases)")
     args = ap.parse_args()
-    cfg = load_study(args.study)
-    study = load_existing(cfg)
+    try:
+        cfg = load_study(args.study, {"storage": args.storage} if args.storage else {})
+        study = load_existing(cfg)
+    except TunerError as e:
+        ap.error(str(e))
     df = report.trials_frame(study, cfg.tie_tolerance)
     row = export.choose(df[df["pareto"]], "balanced", df.attrs.get("noise"), cfg.tie_tolerance)
     number = int(row["trial"])

@@ -18,10 +18,9 @@ what vLLM's engine-core process imports after it starts. Every launch's phases f
 and the table gives the median engine_start of each side.
 
 --env KEY=VALUE: compare warm starts without and with that variable in the server's environment,
-e.g. `--env VLLM_WORKER_MULTIPROC_METHOD=spawn`: vLLM's CLI starts its engine-core process with
-`spawn` (a fresh interpreter that imports torch and vLLM again) unless the variable is set; the
-tuner sets `fork` (tuner/engines/vllm.py), so the engine core is a copy of the API server, whose
-imports the spare has already done; `spawn` puts vLLM's CLI default back for the comparison.
+e.g. `--env VLLM_WORKER_MULTIPROC_METHOD=fork`: vLLM's CLI starts its engine-core process with
+`spawn` (a fresh interpreter that imports torch and vLLM again) unless the variable is set; with
+`fork` the engine core is a copy of the API server, whose imports the spare has already done.
 """
 
 from __future__ import annotations

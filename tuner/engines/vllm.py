@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -131,15 +130,11 @@ class Vllm(LogsInModule):
         return {"min_tokens": output_tokens, "ignore_eos": True}
 
     def env(self) -> dict[str, str]:
-        """vLLM's CLI starts its engine core with `spawn` (a new interpreter that imports torch and
-        vLLM again, ~12 s of every launch on an H100) unless told otherwise; `fork` makes it a copy
-        of the API server, whose imports a warm spare has done. vLLM itself goes back to spawn where
-        fork is unsafe (CUDA already initialised; the CPU build always spawns). A start-up choice:
-        the server it starts serves the same, so the exported command leaves it out. A value the
-        user exports (or sets in [server] env) wins."""
-        if "VLLM_WORKER_MULTIPROC_METHOD" in os.environ:
-            return {}
-        return {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+        """Nothing beyond the caller's. vLLM's CLI starts its engine core with `spawn` (a new
+        interpreter that imports torch and vLLM again, ~12 s of an 8B launch on an H100) unless
+        VLLM_WORKER_MULTIPROC_METHOD is set; `fork` (`[server] env`) would make it a copy of the
+        warm API server. Not set here until a GPU measures it (bench/warm_start.py --env)."""
+        return {}
 
     def version(self) -> str:
         try:
