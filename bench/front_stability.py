@@ -31,6 +31,7 @@ from tuner import noise as noise_module  # noqa: E402
 from tuner.results import export, report  # noqa: E402
 from tuner.cli import resolve_study_file  # noqa: E402
 from tuner.config import load_study  # noqa: E402
+from tuner.errors import TunerError  # noqa: E402
 from tuner.search.storage import load_existing  # noqa: E402
 
 
@@ -102,14 +103,21 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "results" / "front-stability")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
+    if args.trials < 1 or not args.seeds:
+        ap.error("--trials of at least 1 and one seed or more")
+    if args.report_only and not args.out.is_dir():
+        ap.error(f"--report-only: no studies in {args.out}")
     args.out.mkdir(parents=True, exist_ok=True)
     frames = {}
     for seed in args.seeds:
         if not args.report_only:
             took = run(args.study, args.out, seed, args.trials)
             print(f"seed {seed}: study ran for {took / 60:.1f} min", flush=True)
-        cfg = config(args.study, args.out, seed)
-        study = load_existing(cfg)
+        try:
+            cfg = config(args.study, args.out, seed)
+            study = load_existing(cfg)
+        except TunerError as e:
+            ap.error(f"seed {seed}: {e}")
         df = report.trials_frame(study, cfg.tie_tolerance)
         frames[seed] = (cfg, study, df)
         launched = int((~df["failure"].fillna("").isin(["predicted_infeasible", "predicted_dominated"])).sum())
@@ -117,6 +125,9 @@ def main() -> int:
               f"{report.describe_noise(df.attrs.get('noise'))}")
         print(report.table(df[df["pareto"]]))
         print("(a) " + check_top_is_on_front(df))
+    if len(frames) > 2:
+        print(f"\n(b) compares the fronts of the first two seeds; the exported command is compared "
+              f"over all {len(frames)}")
     if len(frames) >= 2:
         (sa, (ca, stud_a, a)), (sb, (cb, stud_b, b)) = list(frames.items())[:2]
         noise = pooled_noise(a.attrs.get("noise"), b.attrs.get("noise"))
