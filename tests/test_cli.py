@@ -320,3 +320,15 @@ def test_request_counts_are_floored_so_a_fraction_never_reads_as_a_whole_request
 
     assert _count(0.99) == "0.99" and _count(0.5) == "0.50"
     assert _count(1.0) == "1.0" and _count(9.99) == "9.9" and _count(250.7) == "250"
+
+
+def test_doctor_does_not_claim_the_model_limit_checked_when_config_json_is_broken(tmp_path):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"hidden_size": 256,\n}')
+    p = subprocess.run([sys.executable, "-m", "tuner", "doctor", "--model", str(folder),
+                        "--storage", f"sqlite:///{tmp_path}/s.db", "--results", str(tmp_path / "r")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert "fits       PROBLEM" in p.stdout and "not valid JSON" in p.stdout
+    assert "the model's limit unchecked (its config.json cannot be read)" in p.stdout

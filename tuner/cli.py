@@ -566,6 +566,11 @@ def cmd_doctor(args) -> int:
     try:
         fitted = checked_config(args)   # the space as searched: cut at the model's limit
         values_line = "values     space and fixed flags within vLLM's ranges and the model's limit"
+        from tuner.config import read_model_configs
+
+        if model and os.path.isfile(os.path.join(model, "config.json")) and read_model_configs(model) is None:
+            values_line = ("values     space and fixed flags within vLLM's ranges; the model's limit "
+                           "unchecked (its config.json cannot be read)")
     except TunerError as e:
         fitted, values_line = cfg, f"values     PROBLEM: {e}"
     lines += doctor_fit_lines(fitted, platform, model, extra)
