@@ -312,7 +312,7 @@ def test_run_refuses_a_model_whose_weights_outgrow_the_whole_device(tmp_path):
         last = p.stderr.strip().splitlines()[-1]
         assert last.startswith("tuner: error: no config of the space can start: the weights alone, "
                                "~131.4 GiB, exceed")
-        assert not (tmp_path / "r").exists()
+        assert not (tmp_path / "r").exists() and not (tmp_path / "s.db").exists()
 
 
 def test_request_counts_are_floored_so_a_fraction_never_reads_as_a_whole_request():

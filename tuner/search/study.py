@@ -164,9 +164,10 @@ class Tuner:
         self.progress = progress
         self.scale = memory_scale(cfg, self.platform)
         check_results_dir(cfg)
-        self.storage = open_storage(cfg.storage, shared=self.shared)
         self.memory_model = self._memory_model()
         self.model_shape = self._model_shape()
+        self.check_weights_fit()   # before the storage: a refused study leaves nothing behind
+        self.storage = open_storage(cfg.storage, shared=self.shared)
         self.study: optuna.Study | None = None
 
     # -- setup
@@ -697,7 +698,6 @@ class Tuner:
         stop instead, with everything measured kept, to resume with the same command."""
         from tuner.results import report
 
-        self.check_weights_fit()
         study = self.open()
         done = self.launched_count(study)
         if done >= n_trials:
