@@ -587,7 +587,10 @@ def supported_dtype(device: GpuInfo | None, model_config: dict,
         return DtypeChoice(None, f"--dtype {given} from [server] extra_args")
     declared = model_dtype(model_config)
     if device is None:
-        return DtypeChoice(None, f"{declared or 'no dtype'} in config.json; no GPU: vLLM's CPU build picks")
+        served = ("; vLLM 0.32's --dtype auto serves a 32-bit config as bfloat16"
+                  if declared in (None, "float32") else "")
+        return DtypeChoice(None, f"{declared or 'no dtype'} in config.json; no GPU: vLLM's CPU "
+                                 f"build picks{served}")
     cc = device.compute_capability
     where = f"{device.name} (compute {cc[0]}.{cc[1]})" if cc else device.name
     if device.has_bfloat16 is None:
