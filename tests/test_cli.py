@@ -332,3 +332,19 @@ def test_doctor_does_not_claim_the_model_limit_checked_when_config_json_is_broke
     assert p.returncode == 1, p.stderr
     assert "fits       PROBLEM" in p.stdout and "not valid JSON" in p.stdout
     assert "the model's limit unchecked (its config.json cannot be read)" in p.stdout
+
+
+def test_export_of_a_study_with_nothing_feasible_says_why(tmp_path):
+    # every launch crashed: "run more trials" alone would send the user to fail the same way
+    import faultkit as fk
+
+    model = private_model(tmp_path)
+    doc = fake_engine_study(model, name="failing", engine=(sys.executable, str(fk.FAKE_VLLM)),
+                            env={"FAKE_MODE": "fail", "FAKE_LOG": str(fk.LOGS / "crashed_unknown.log")})
+    study = write_study(tmp_path, doc)
+    assert tuner("run", "--study", str(study), "--trials", "2", "--quiet", cwd=tmp_path).returncode == 0
+    p = tuner("export", "--study", str(study), cwd=tmp_path)
+    assert p.returncode == 2
+    last = p.stderr.strip().splitlines()[-1]
+    assert "no feasible measured config yet (no trial has met every constraint (crashed 2)" in last
+    assert "the last said:" in last

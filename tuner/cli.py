@@ -442,7 +442,11 @@ def cmd_export(args) -> int:
     cfg, study, df = _study_and_frame(args)
     front, warning = export.offered_front(df, cfg.tie_tolerance)
     if front.empty:
-        raise TunerError(f"study {cfg.name} has no feasible measured config yet: run more trials")
+        why = report.describe_empty_front(df).split("; ", 1)[-1] if len(df) else "no trial yet"
+        last = df.loc[df["failure"] != "", "failure_message"].dropna() if "failure_message" in df else []
+        hint = f"; the last said: {str(last.iloc[-1])[:200]}" if len(last) else ""
+        raise TunerError(f"study {cfg.name} has no feasible measured config yet ({why}{hint}): "
+                         "fix that, or run more trials")
     row = export.choose(front, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance)
     exported = export.exported(row, study, cfg, keep_dummy=args.keep_dummy, warning=warning)
     print(f"# {args.prefer}: {report.describe_figures(row, df.attrs.get('noise'))}", file=sys.stderr)
