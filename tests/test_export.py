@@ -210,3 +210,13 @@ def test_best_command_says_which_choice_wrote_it_and_why(tmp_path):
     text = export.script(row, study, cfg, prefer="ttft", why=why)
     assert "export --prefer ttft`" in text and f"# {why}\n" in text
     assert "--prefer balanced" in export.script(row, study, cfg)
+
+
+def test_trials_name_vllm_s_concurrency_apart_from_the_workload_s(tmp_path):
+    # vLLM's "Maximum concurrency for N tokens per request" is not [workload] max_concurrency
+    from tuner.results import report
+
+    cfg = study_config(tmp_path, str(checkpoint_folder(tmp_path)))
+    study, _ = run_study(cfg)
+    df = report.trials_frame(study, cfg.tie_tolerance)
+    assert "max_concurrency" not in df.columns and df["kv_requests_at_context"].notna().any()

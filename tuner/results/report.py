@@ -39,6 +39,11 @@ SKIPPED = ("duplicate",)
 LEVEL_COLUMNS = ("throughput_tok_s", "ttft_ms", "ttft_ms_p90", "tpot_ms", "e2e_ms_p90", "steady")
 
 
+# trial attrs whose names would read as something else in trials.csv: vLLM's "Maximum concurrency
+# for N tokens per request" is not the workload's max_concurrency (the top of the load ladder)
+ATTR_COLUMNS = {"max_concurrency": "kv_requests_at_context"}
+
+
 def trials_frame(study, tie_tolerance: float = 0.02, requirement=None) -> pd.DataFrame:
     """One row per trial (duplicates left out): params, objectives, failure, every measured attr.
 
@@ -60,7 +65,8 @@ def trials_frame(study, tie_tolerance: float = 0.02, requirement=None) -> pd.Dat
         feasible = is_feasible(t)
         row["feasible"] = feasible
         row.update({f"constraint_{k}": v for k, v in t.constraints.items()})
-        row.update({k: v for k, v in a.items() if k not in ("failure_log_tail", "levels")})
+        row.update({ATTR_COLUMNS.get(k, k): v for k, v in a.items()
+                    if k not in ("failure_log_tail", "levels")})
         row.update(level_columns(a.get("levels", [])))
         row.setdefault("failure", "")
         row.setdefault("baseline", "")
