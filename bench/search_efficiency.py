@@ -128,8 +128,11 @@ class GridTable:
                 needed_gib=row.get("needed_gib"), available_gib=row.get("available_gib"),
                 estimated_max_model_len=_int(row.get("estimated_max_model_len")),
                 exit_code=_int(row.get("exit_code"))))
-        capacity = Capacity(**{f.name: _typed(f, row.get(f.name)) for f in fields(Capacity)
-                               if f.name != "cache_config" and row.get(f.name) is not None})
+        # trials.csv names some capacity attrs apart from the workload's (report.ATTR_COLUMNS)
+        column = report.ATTR_COLUMNS
+        capacity = Capacity(**{f.name: _typed(f, row.get(column.get(f.name, f.name), row.get(f.name)))
+                               for f in fields(Capacity) if f.name != "cache_config"
+                               and row.get(column.get(f.name, f.name), row.get(f.name)) is not None})
         metrics = LoadMetrics(**{f.name: _typed(f, row.get(f.name)) for f in fields(LoadMetrics)
                                  if f.name not in ("error_kinds", "levels") and row.get(f.name) is not None})
         metrics = replace(metrics, levels=self.levels(row))

@@ -320,6 +320,7 @@ def test_request_counts_are_floored_so_a_fraction_never_reads_as_a_whole_request
 
     assert _count(0.99) == "0.99" and _count(0.5) == "0.50"
     assert _count(1.0) == "1.0" and _count(9.99) == "9.9" and _count(250.7) == "250"
+    assert _count(0.29) == "0.29" and _count(0.57) == "0.57" and _count(4.35) == "4.3"
 
 
 def test_doctor_does_not_claim_the_model_limit_checked_when_config_json_is_broken(tmp_path):

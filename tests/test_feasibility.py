@@ -645,3 +645,25 @@ def test_the_study_s_dtype_flag_reaches_the_memory_model(tmp_path):
     wide = vllm.memory_model(str(TINY_MODEL), CPU_TOTAL, "cpu", ("--enforce-eager", "--dtype=float32"))
     assert wide.shape.weights_bytes == 2 * plain.shape.weights_bytes
     assert vllm.memory_model(str(TINY_MODEL), CPU_TOTAL, "cpu", ("--dtype", "float16")).shape.dtype_bytes == 2
+
+
+def test_weights_over_the_device_are_no_certainty_when_the_launch_shards_or_quantizes_them(tmp_path):
+    # a 70B (~131 GiB) on an 80 GiB card: refused alone, launched with TP=2 or online fp8, where
+    # the first launch's logged weights decide
+    from tuner import engines
+    from tuner.search.feasibility import weights_exceed_device
+
+    folder = tmp_path / "70b"
+    write_model_folder(PRESETS["llama-3.1-70b"], folder)
+    vllm = engines.get("vllm")
+    params = ServerParams(gpu_memory_utilization=0.92, max_model_len=4096, max_num_seqs=8)
+    alone = vllm.memory_model(str(folder), 80 * GIB, "cuda")
+    assert "exceed the device's 80.0 GiB" in weights_exceed_device(alone)
+    p = alone.predict(params)
+    assert not p.fits and not p.uncertain
+    for flags in (("--tensor-parallel-size", "2"), ("-tp=2",), ("--quantization", "fp8"),
+                  ("--pipeline-parallel-size=2",)):
+        split = vllm.memory_model(str(folder), 80 * GIB, "cuda", flags)
+        assert weights_exceed_device(split) is None, flags
+        assert split.predict(params).uncertain, flags
+    assert vllm.memory_model(str(folder), 80 * GIB, "cuda", ("-tp", "1")).weights_known

@@ -20,17 +20,29 @@ def test_gpu_template_loads_and_keeps_cuda_graphs():
     assert cfg.workload.prompt_tokens >= 512 and cfg.workload.max_concurrency >= 256
 
 
-def test_a_relative_model_folder_is_made_absolute_so_exports_and_resumes_name_it(tmp_path, monkeypatch):
-    # an exported best-command.sh lives in results/NAME/: `--model m/mistral` would not resolve there
-    from tuner.config import load_study, local_model_path
 
-    (tmp_path / "m" / "mistral").mkdir(parents=True)
+def test_a_relative_model_folder_is_launched_by_its_absolute_path_and_stored_as_given(tmp_path, monkeypatch):
+    # best-command.sh lives in results/NAME/: `--model m/tiny` would not resolve there; the study
+    # keeps the path as given, so hosts sharing it from other folders resume it
+    import shutil
+
+    from tuner.config import load_study
+    from tuner.models.checkpoint import resolve_model
+    from tuner.models.presets import TINY_MODEL
+    from tuner.search.study import setup_changes, study_summary
+
+    shutil.copytree(TINY_MODEL, tmp_path / "m" / "tiny")
+    (tmp_path / "m" / "link").symlink_to(tmp_path / "m" / "tiny")
     monkeypatch.chdir(tmp_path)
-    assert local_model_path("m/mistral") == str(tmp_path / "m" / "mistral")
-    assert local_model_path("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"   # an HF id
-    assert local_model_path("preset:tiny") == "preset:tiny"
-    study = tmp_path / "s.toml"
     demo = (Path(__file__).parent.parent / "tuner" / "studies" / "demo.toml").read_text()
-    study.write_text(demo.replace('path = "preset:tiny"', 'path = "m/mistral"'))
-    assert 'path = "m/mistral"' in study.read_text()
-    assert load_study(study).model == str(tmp_path / "m" / "mistral")
+    study = tmp_path / "s.toml"
+    study.write_text(demo.replace('path = "preset:tiny"', 'path = "m/link"'))
+    cfg = load_study(study)
+    assert cfg.model == "m/link"
+    model, _ = resolve_model(cfg, quiet=True)
+    assert model == str(tmp_path / "m" / "link")          # absolute, the symlink kept
+    stored = study_summary(cfg, model, ())
+    other = tmp_path / "other-host"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    assert setup_changes(stored, load_study(study)) == []

@@ -747,7 +747,9 @@ def _count(x: float) -> str:
     """A number of requests: a fraction matters below ten (0.8: not even one at full length);
     above, whole requests (250.7 is 250 at once, not 251)."""
     if x < 10:   # floored: 0.99 is not one request
-        return f"{math.floor(x * 10) / 10:.1f}" if x >= 1 else f"{math.floor(x * 100) / 100:.2f}"
+        # rounded first: 0.29 * 100 is 28.999999999999996 in binary
+        return (f"{math.floor(round(x * 10, 6)) / 10:.1f}" if x >= 1
+                else f"{math.floor(round(x * 100, 6)) / 100:.2f}")
     return f"{int(x):,}"
 
 

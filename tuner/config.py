@@ -117,16 +117,6 @@ class StudyConfig:
         return next((d for d in self.dimensions if d.name == name), None)
 
 
-def local_model_path(model: str) -> str:
-    """A model given as a relative path to a local file or folder, made absolute: the servers,
-    the stored study and the exported command then name it wherever they are run from. HF ids
-    and presets are kept as given."""
-    if model.startswith("preset:") or os.path.isabs(model):
-        return model
-    path = Path(model).expanduser()
-    return str(path.resolve()) if path.exists() else model
-
-
 def _fail(source: str, key: str, problem: str, fix: str = "") -> ConfigError:
     return ConfigError(source, key, problem, fix)
 
@@ -510,7 +500,6 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     model_path = overrides.get("model") or model.get("path")
     if not model_path:
         raise _fail(source, "model.path", "missing", "set [model] path = \"preset:tiny\" or a folder")
-    model_path = local_model_path(model_path)
 
     def argv(key: str) -> tuple[str, ...]:
         value = overrides.get(key, server.get(key, []))

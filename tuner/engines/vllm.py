@@ -162,7 +162,15 @@ class Vllm(LogsInModule):
         from tuner.search import feasibility
 
         shape = feasibility.model_shape(model_dir, dtype=flag_value(extra_args, "--dtype"))
-        return feasibility.MemoryModel(shape, device_memory_bytes, platform)
+        model = feasibility.MemoryModel(shape, device_memory_bytes, platform)
+        # weights split over devices or quantized at load: the shape's weights are not one
+        # device's until a launch logs them
+        split = [flag_value(extra_args, f) for f in ("--tensor-parallel-size", "-tp",
+                                                     "--pipeline-parallel-size", "-pp")]
+        model.weights_known = (all(v in (None, "1") for v in split)
+                               and flag_value(extra_args, "--quantization") is None
+                               and flag_value(extra_args, "-q") is None)
+        return model
 
 
 ENGINE = Vllm()

@@ -228,7 +228,9 @@ def resolve_model(cfg, fetch: bool = True, quiet: bool = False) -> tuple[str, tu
         local = Path(os.path.expanduser(model))
         looks_like_path = model.startswith(("/", "./", "../", "~")) or local.exists()
         if looks_like_path:
-            path, weightless = _local(model, local)
+            # absolute (symlinks kept): the servers and best-command.sh (in results/NAME/) name
+            # the folder wherever they run; the study keeps the path as given (`model_given`)
+            path, weightless = _local(model, Path(os.path.abspath(local)))
         elif _HUB_ID.match(model):
             snapshot = fetch_from_hub(model) if fetch else cached_snapshot(model)
             if snapshot is None:

@@ -447,6 +447,10 @@ class MemoryModel:
         # a ready launch's log (Capacity.cuda_graph_estimate_gib), off until one shows it.
         self.graphs_in_budget = False
         self.observed_weights_bytes: float | None = None
+        # False when the launch's flags change the weights a device holds in ways the shape does
+        # not model (tensor or pipeline parallel, online quantization): an estimate over the share
+        # is then no certainty until a launch has logged the weights it loaded
+        self.weights_known = True
 
     # -- vLLM's defaults -------------------------------------------------------------------
 
@@ -721,7 +725,8 @@ class MemoryModel:
         band = margin * (overhead - weights if overhead > weights else overhead)
         band = max(band, block_bytes, self.calibration_spread_bytes(r))
         # weights alone beyond the share: no launch can start it, calibrated or not
-        weights_over = weights > self.requested_bytes(r) * (1 + WEIGHTS_TOLERANCE)
+        weights_over = (weights > self.requested_bytes(r) * (1 + WEIGHTS_TOLERANCE)
+                        and (self.weights_known or self.observed_weights_bytes is not None))
 
         reasons = []
         if params.max_model_len is not None and params.max_model_len > s.max_position_embeddings:
@@ -892,6 +897,8 @@ def weights_exceed_device(model: MemoryModel, cpu_offload_gb: float | None = Non
     gpu-memory-utilization is at most 1, so no share holds them. On the CPU build the device is
     the host and offloading moves nothing, so only a smaller (or quantized) model helps there.
     """
+    if not model.weights_known and model.observed_weights_bytes is None:
+        return None   # sharded or quantized at load: the first launch tells
     offload = model.offloaded_bytes(cpu_offload_gb)
     if model.observed_weights_bytes is not None and not offload:
         weights = model.observed_weights_bytes

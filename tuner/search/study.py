@@ -977,14 +977,9 @@ def _span(seconds: float) -> str:
 def setup_changes(stored: dict, cfg: StudyConfig) -> list[str]:
     """'key: then, now' for the model and the fixed flags as the study file (or command line) gave
     them, against what the study stored when it began (studies from before these keys: none)."""
-    from tuner.config import local_model_path
-
     now = {"model_given": cfg.model, "extra_args_given": list(cfg.extra_args)}
-    then = dict(stored)
-    if isinstance(then.get("model_given"), str):   # a relative path stored by an older tuner
-        then["model_given"] = local_model_path(then["model_given"])
     return [f"{k[:-len('_given')]}: {stored[k]!r} then, {v!r} now" for k, v in now.items()
-            if k in then and then[k] != v]
+            if k in stored and stored[k] != v]
 
 
 def choice_changes(study: optuna.Study, dimensions) -> list[str]:
