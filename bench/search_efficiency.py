@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 import pandas as pd  # noqa: E402
 
+from tuner.cli import nonneg_int, positive_int  # noqa: E402
 from tuner.config import StudyConfig, load_study  # noqa: E402
 from tuner.errors import ConfigError, TunerError  # noqa: E402
 from tuner.run.process import Capacity, LaunchFailure  # noqa: E402
@@ -287,26 +288,14 @@ def space_keys(study_path: Path) -> set[tuple] | None:
     return {key_of(dict(zip(names, combo))) for combo in itertools.product(*(dims[n] for n in names))}
 
 
-def positive(text: str) -> int:
-    """argparse type: a whole number of at least 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-def non_negative(text: str) -> int:
-    """argparse type: a whole number of 0 or more."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
-    return n
+def check_covers(table: GridTable, study_path: Path, said_as: Path | None = None) -> None:
+    """TableError unless the table holds every config of the study's space (a replay asks them)."""
+    keys = space_keys(study_path)
+    if keys is not None and keys - set(table.rows):
+        missing = sorted(keys - set(table.rows))
+        raise TableError(f"{len(missing)} of the {len(keys)} configs of {said_as or study_path} are "
+                         f"not in the table (e.g. {missing[0]}): pass the --study the table was "
+                         "recorded with")
 
 
 class Reached(TunerError):
@@ -555,8 +544,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table", help=f"grid CSV (default {TABLE.relative_to(REPO)}; 'synthetic' "
                                     "for a made-up one)")
     ap.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=SAMPLERS)
-    ap.add_argument("--seeds", type=positive, default=20)
-    ap.add_argument("--gp-seeds", type=positive, default=10, help="GP is slow per trial")
+    ap.add_argument("--seeds", type=positive_int, default=20)
+    ap.add_argument("--gp-seeds", type=positive_int, default=10, help="GP is slow per trial")
     ap.add_argument("--study", type=Path, default=STUDY,
                     help=f"the study file the table was recorded with (default {STUDY.relative_to(REPO)})")
     ap.add_argument("--no-memory-model", action="store_true")
@@ -570,17 +559,21 @@ def main(argv=None) -> int:
     ap.add_argument("--linear-ttft", action="store_true", help="TTFT on a linear scale in the volume")
     ap.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=OBJECTIVES,
                     help="score the hypervolume on these (the tuner still optimises all three)")
-    ap.add_argument("--patience", type=non_negative, default=0, metavar="N",
+    ap.add_argument("--patience", type=nonneg_int, default=0, metavar="N",
                     help="run each seed until the tuner's own early stop (N launches without a "
                          "change of its front beyond the noise) and report where it stopped: "
                          "launches, wall-clock, the share of the grid's volume then")
     ap.add_argument("--record", metavar="RESULTS_DIR", nargs="+",
                     help="write the table from grid runs' results folders and stop")
-    args = ap.parse_args(argv)
+    return refusing("search_efficiency", run, ap.parse_args(argv))
+
+
+def refusing(name: str, run, args) -> int:
+    """`run(args)`, or one line and exit code 2 for a table or study it cannot use."""
     try:
         return run(args)
     except (TableError, ConfigError, OSError) as e:
-        print(f"search_efficiency: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return 2
 
 
@@ -594,11 +587,8 @@ def run(args) -> int:
     if not Path(args.study).is_file():
         raise TableError(f"no study file at {args.study}")
     table = checked_table(args.table)
-    keys = space_keys(args.study) if args.table != "synthetic" else None
-    if keys is not None and keys - set(table.rows):
-        missing = sorted(keys - set(table.rows))
-        raise TableError(f"{len(missing)} of the {len(keys)} configs of {args.study} are not in the "
-                         f"table (e.g. {missing[0]}): pass the --study the table was recorded with")
+    if args.table != "synthetic":
+        check_covers(table, args.study)
     if args.within_noise and not table.noise:
         print("search_efficiency: error: --within-noise needs the table's noise.json", file=sys.stderr)
         return 2

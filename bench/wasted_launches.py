@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tempfile  # noqa: E402
 
 from search_efficiency import (SAMPLERS, STUDY, TABLE, GridTable, TableError,  # noqa: E402
-                               checked_table, describe_table, positive, replay, space_keys)
-from tuner.errors import ConfigError  # noqa: E402
+                               check_covers, checked_table, describe_table, refusing, replay)
+from tuner.cli import positive_int  # noqa: E402
 from tuner.run.process import MEMORY_FAILURES  # noqa: E402
 
 TARGET_SHARE = 0.10
@@ -40,19 +40,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", help=f"grid CSV (default {TABLE.name}; 'synthetic' for a made-up one)")
     ap.add_argument("--samplers", nargs="+", default=["gp", "tpe"], choices=SAMPLERS)
-    ap.add_argument("--seeds", type=positive, default=5)
-    ap.add_argument("--launches", type=positive, default=12, help="launches per run")
+    ap.add_argument("--seeds", type=positive_int, default=5)
+    ap.add_argument("--launches", type=positive_int, default=12, help="launches per run")
     ap.add_argument("--study", type=Path, default=STUDY,
                     help=f"the study file the table was recorded with (default {STUDY.name})")
     ap.add_argument("--gmu", nargs="+", type=float,
                     help="search only these gpu-memory-utilization levels of the grid "
                          "(with the default study)")
-    args = ap.parse_args(argv)
-    try:
-        return run(args)
-    except (TableError, ConfigError, OSError) as e:
-        print(f"wasted_launches: error: {e}", file=sys.stderr)
-        return 2
+    return refusing("wasted_launches", run, ap.parse_args(argv))
 
 
 def run(args) -> int:
@@ -74,11 +69,8 @@ def run(args) -> int:
             line, f"gpu_memory_utilization = {{ choices = {levels} }}")
         study = Path(tempfile.mkdtemp(prefix="wasted-")) / "grid.toml"
         study.write_text(text)
-    keys = space_keys(study) if args.table != "synthetic" else None
-    if keys is not None and keys - set(table.rows):
-        missing = sorted(keys - set(table.rows))
-        raise TableError(f"{len(missing)} of the {len(keys)} configs of {args.study} are not in the "
-                         f"table (e.g. {missing[0]}): pass the --study the table was recorded with")
+    if args.table != "synthetic":
+        check_covers(table, study, said_as=args.study)
     print(f"table: {describe_table(table)}")
     memory_rows = sum(1 for r in table.rows.values() if r["failure"] in MEMORY_FAILURES)
     print(f"the whole grid: {memory_rows}/{len(table.rows)} configs fail for memory "
