@@ -364,10 +364,6 @@ def cmd_run(args) -> int:
     return 0
 
 
-RESULT_FILES = ("trials.csv", "pareto.csv", "levels.csv", "noise.json", "pareto.png", "curves.png",
-                "parameters.png", "best-command.sh", "report.html")
-
-
 def print_summary(study, cfg) -> None:
     from tuner.results import export, report
 
@@ -384,7 +380,7 @@ def print_summary(study, cfg) -> None:
             print(held, file=sys.stderr)
     else:
         print(report.describe_empty_front(df), file=sys.stderr)
-    written = [p.name for p in (cfg.results_path / n for n in RESULT_FILES) if p.exists()]
+    written = [n for n in report.REPORT_OUTPUTS if (cfg.results_path / n).exists()]
     print(f"results: {cfg.results_path}/ ({', '.join(written)})", file=sys.stderr)
     if len(front):
         if warning:
@@ -673,10 +669,7 @@ def doctor_fit_lines(cfg, platform, model: str | None, extra_args=()) -> list[st
 
     def top(name, smallest=False):
         d = dims.get(name)
-        if d is None:
-            return None
-        values = d.choices or (d.low, d.high)
-        return min(values) if smallest else max(values)
+        return None if d is None else d.extreme(smallest)
     values = {k: v for k, v in fixed_flag_values(cfg.extra_args, cfg.source).items()}
     for name, smallest in (("gpu_memory_utilization", False), ("cpu_offload_gb", False),
                            ("max_num_seqs", True), ("max_num_batched_tokens", True)):

