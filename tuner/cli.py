@@ -108,6 +108,19 @@ def checked_config(args: argparse.Namespace, values: dict | None = None):
     return cfg
 
 
+def check_tokenizer(cfg, model: str | None = None, extra_args=None) -> None:
+    """A vLLM model folder without a tokenizer crashes every launch the same way: refused before
+    the first (an HF id not fetched yet is judged once it is)."""
+    from tuner.models import checkpoint
+
+    if cfg.engine_name != "vllm":
+        return
+    if model is None:
+        model, extra_args = checkpoint.resolve_model(cfg, fetch=False, quiet=True)
+    if problem := checkpoint.tokenizer_problem(model, extra_args or ()):
+        raise TunerError(f"model {cfg.model!r}: {problem}")
+
+
 def check_host(host: str) -> None:
     """The address every server binds and every request goes to: a name that does not resolve
     would fail each launch the same way, so it is refused before the first."""
@@ -321,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     except TunerError as e:
         print(f"tuner: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `tuner show | head`: the reader left; say nothing more (stdout is gone)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("tuner: interrupted; servers stopped, finished trials kept: "
               "run the same command again to resume", file=sys.stderr)
@@ -344,6 +361,7 @@ def cmd_run(args) -> int:
     from tuner.search.study import Tuner
 
     cfg = checked_config(args)
+    check_tokenizer(cfg)
     if args.ports:
         process.PORT_RANGE = parse_ports(args.ports)
     spare.enable()   # each launch's imports are done ahead, while the one before starts
@@ -418,7 +436,7 @@ def cmd_show(args) -> int:
     if df.empty:
         print("no trials yet", file=sys.stderr)
         return 0
-    print(df.to_string(index=False) if args.all_columns else report.table(df))
+    print(report.all_columns_text(df) if args.all_columns else report.table(df))
     front = df[df["pareto"]]
     print(f"\n{report.describe_noise(df.attrs.get('noise'))}")
     if launch := report.describe_launch(df):
@@ -438,7 +456,9 @@ def cmd_export(args) -> int:
     cfg, study, df = _study_and_frame(args)
     front, warning = export.offered_front(df, cfg.tie_tolerance)
     if front.empty:
-        why = report.describe_empty_front(df).split("; ", 1)[-1] if len(df) else "no trial yet"
+        measured = (df["failure"] != "").any() if len(df) else False
+        why = (report.describe_empty_front(df).split("; ", 1)[-1] if measured
+               else "no trial has been measured yet")
         last = df.loc[df["failure"] != "", "failure_message"].dropna() if "failure_message" in df else []
         hint = f"; the last said: {str(last.iloc[-1])[:200]}" if len(last) else ""
         raise TunerError(f"study {cfg.name} has no feasible measured config yet ({why}{hint}): "
@@ -449,6 +469,10 @@ def cmd_export(args) -> int:
     why = export.choice_note(front, row, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance)
     if why:
         print(f"# {why}", file=sys.stderr)
+    ties = export.objective_tie_note(front, row, args.prefer, df.attrs.get("noise"),
+                                     cfg.tie_tolerance)
+    if ties:
+        print(f"# {ties}", file=sys.stderr)
     for note in exported.notes:
         print(f"# {note}", file=sys.stderr)
     if args.json:
@@ -458,7 +482,7 @@ def cmd_export(args) -> int:
     cfg.results_path.mkdir(parents=True, exist_ok=True)
     (cfg.results_path / "best-command.sh").write_text(
         export.script(row, study, cfg, keep_dummy=args.keep_dummy, warning=warning,
-                      prefer=args.prefer, why=why))
+                      prefer=args.prefer, why=why, df=df))
     return 0
 
 
@@ -485,8 +509,10 @@ def cmd_measure(args) -> int:
     context = engines.get().request_context(params_from(values).values())
     too_short = plan.context_too_short(cfg.workload, context)
     if too_short is not None:
-        raise TunerError(f"{engines.get().request_context_name} {context} < {too_short[1]}: every "
-                         f"request would be refused for length; give a longer context or shorter "
+        refused = ("every request" if too_short[0] >= 1
+                   else "more of a level's requests than the load test tolerates")
+        raise TunerError(f"{engines.get().request_context_name} {context} < {too_short[1]}: "
+                         f"{refused} would be refused for length; give a longer context or shorter "
                          f"[workload] lengths")
     if requirement.context_shortfall(context, cfg.requirement) > 0:
         raise TunerError(requirement.context_message(engines.get().request_context_name, context,
@@ -494,6 +520,7 @@ def cmd_measure(args) -> int:
     platform = detect_platform(cfg)
     check_engine_cmd(platform.engine)
     model, extra = resolve_model(cfg)
+    check_tokenizer(cfg, model, extra)
     if cfg.use_memory_model and os.path.isdir(model):
         # a config.json the memory model cannot read is refused as `run` refuses it (exit 2)
         engines.get().memory_model(model, platform.memory_total_bytes, platform.kind, extra)
@@ -560,6 +587,7 @@ def cmd_doctor(args) -> int:
                          "before the first launch")
         else:
             lines.append(f"model      {model} {' '.join(extra)}")
+        check_tokenizer(cfg, model, extra)
     except TunerError as e:
         lines.append(f"model      PROBLEM: {e}")
     lines += doctor_gpu_lines(cfg, platform, model, extra)

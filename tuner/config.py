@@ -132,8 +132,8 @@ def _take(table: dict, allowed: dict, source: str, prefix: str) -> dict:
     for key, value in table.items():
         where = f"{prefix}.{key}" if prefix else key
         if key not in allowed:
-            raise _fail(source, where, "unknown key",
-                        "known keys: " + ", ".join(sorted(allowed)))
+            raise _fail(source, where, "unknown key", _did_you_mean(key, allowed)
+                        + "known keys: " + ", ".join(sorted(allowed)))
         types = allowed[key]
         types = types if isinstance(types, tuple) else (types,)
         ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
@@ -146,12 +146,21 @@ def _take(table: dict, allowed: dict, source: str, prefix: str) -> dict:
     return out
 
 
+def _did_you_mean(key: str, known) -> str:
+    """"did you mean X? " for a key one typo away from a known one (max_num_seq), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.75)
+    return f"did you mean {close[0]}? " if close else ""
+
+
 def _dimension(name: str, spec: dict, source: str) -> Dimension:
     where = f"space.{name}"
     flag = engines.flag(name)
     if flag is None:
+        names = [f.name for f in engines.flags()]
         raise _fail(source, where, "not a tunable flag",
-                    "tunable: " + ", ".join(f.name for f in engines.flags()))
+                    _did_you_mean(name, names) + "tunable: " + ", ".join(names))
     kind = flag.kind
     if not isinstance(spec, dict):
         raise _fail(source, where, "expected a table such as {low = 1, high = 8} or {choices = [...]}")
@@ -190,6 +199,17 @@ def _dimension(name: str, spec: dict, source: str) -> Dimension:
         raise _fail(source, where + ".low", "must be > 0 with log = true")
     for key in ("low", "high"):
         _check_value(name, raw[key], source, f"{where}.{key}")
+    if step is not None and high > low:
+        # Optuna searches low, low + step, ... up to high and silently lowers a high that is not on
+        # a step (0.5..0.95 step 0.1 searches up to 0.9): the values written would not be the values
+        # searched, and doctor and the baselines would plan with a top that is never launched
+        steps = (high - low) / step
+        if abs(steps - round(steps)) > 1e-6 * max(1.0, steps):
+            last = low + math.floor(steps + 1e-9) * step
+            last = int(last) if kind == "int" else round(last, 6)
+            raise _fail(source, where, f"high {high} is not low {low} plus a whole number of steps "
+                        f"of {step}: the search would stop at {last}",
+                        f"set high = {last}, or a step that divides {round(high - low, 6)}")
     return Dimension(name, kind, float(low) if kind == "float" else low,
                      float(high) if kind == "float" else high, step, raw.get("log", False))
 
@@ -223,6 +243,18 @@ def fixed_flag_values(extra_args, source: str = "") -> dict:
     return out
 
 
+def fixed_flags(extra_args) -> dict[str, str]:
+    """Flags of the engine's table that `extra_args` sets (bool ones included, also as --no-X):
+    flag name -> how it is spelled there."""
+    out: dict[str, str] = {}
+    for f in engines.flags():
+        spellings = {f.cli} | ({"--no-" + f.cli[2:]} if f.kind == "bool" and f.cli.startswith("--") else set())
+        for arg in extra_args:
+            if arg.partition("=")[0] in spellings:
+                out.setdefault(f.name, arg.partition("=")[0])
+    return out
+
+
 def chunked_prefill_enabled(extra_args) -> bool:
     """vLLM 0.32 turns chunked prefill on for every generating model unless told otherwise."""
     enabled = True
@@ -240,6 +272,15 @@ def check_flag_values(values: dict, source: str = "command line",
     for name, value in values.items():
         if value is not None:
             _check_value(name, value, source, _cli(name))
+    fixed_values = fixed_flag_values(extra_args, source)
+    for name, spelled in fixed_flags(extra_args).items():
+        flag = engines.flag(name)
+        fixed = (spelled == flag.cli) if flag.kind == "bool" else fixed_values.get(name)
+        if values.get(name) is not None and values[name] != fixed:
+            # extra_args come after the config's flags on the command line: theirs would run
+            raise _fail(source, _cli(name), f"also fixed in the study's [server] extra_args "
+                        f"({spelled}): the launch would run that value, not this one",
+                        f"leave {_cli(name)} out, or remove {spelled} from extra_args")
     merged = {**fixed_flag_values(extra_args, source),
               **{k: v for k, v in values.items() if v is not None}}
     _check_batched_tokens({k: (v, v, _cli(k)) for k, v in merged.items()
@@ -468,9 +509,16 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     wl_types = {k: _wl_type(t) for k, t in workload_fields.items() if not k.startswith("slo_")}
     wl_types.update(levels=list, request_rates=list, prompt_tokens_mix=list, output_tokens_mix=list)
     workload = _take(top.get("workload", {}), wl_types, source, "workload")
+    for key, old_spelling in (("levels", "concurrency"), ("request_rates", "request_rate")):
+        if key in workload and old_spelling in workload:
+            raise _fail(source, f"workload.{old_spelling}", f"given with {key}, which it is the old "
+                        f"spelling of: only {key} would count", f"remove {old_spelling}")
     for key, kind in (("levels", int), ("request_rates", (int, float))):
         if key in workload:
             values = workload[key]
+            if key == "levels" and not values:
+                raise _fail(source, "workload.levels", "empty list", "give concurrencies above 1, "
+                            "or leave levels out for the ladder up to max_concurrency")
             if any(not isinstance(v, kind) or isinstance(v, bool) or v <= 0 for v in values):
                 raise _fail(source, f"workload.{key}", f"expected positive numbers, got {values!r}")
             if key == "levels" and any(v < 2 for v in values):
@@ -492,6 +540,10 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
                     "set [requirement] context_tokens too")
     slo = _take(top.get("slo", {}), {"ttft_ms": float, "tpot_ms": float, "e2e_ms": float,
                                      "min_roofline_share": float}, source, "slo")
+    for key, value in slo.items():
+        if key != "min_roofline_share" and value <= 0:
+            raise _fail(source, f"slo.{key}", f"must be > 0 ms, got {value:g}",
+                        "leave it out for no SLO on that metric")
     from tuner.search.feasibility import MIN_ROOFLINE_SHARE
 
     min_roofline_share = slo.pop("min_roofline_share", MIN_ROOFLINE_SHARE)
@@ -549,6 +601,13 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
     if req.context_tokens and fixed_len is not None and fixed_len < req.context_tokens:
         raise _fail(source, "server.extra_args " + _cli("max_model_len"), f"{fixed_len} is below "
                     f"[requirement] context_tokens = {req.context_tokens}")
+    for flag_name, spelled in fixed_flags(argv("extra_args")).items():
+        if flag_name in space:
+            # extra_args follow the searched flags on the command line, so the fixed value would
+            # win at every launch: each trial recorded with a value it never ran
+            raise _fail(source, f"space.{flag_name}", f"also fixed in [server] extra_args ({spelled}): "
+                        "every launch would run the fixed value, whatever the search picks",
+                        f"remove {spelled} from extra_args, or {flag_name} from [space]")
     required = [f.name for f in engines.flags() if f.required]
     for needed in required:
         if needed not in space:
@@ -578,6 +637,12 @@ def parse_study(doc: dict, source: str, overrides: dict) -> StudyConfig:
             raise _fail(source, f"workload.{key}", f"must be a share from 0 to below 1, got {value}")
     if workload.get("endpoint", "completions") not in ("completions", "chat"):
         raise _fail(source, "workload.endpoint", "must be \"completions\" or \"chat\"")
+    if workload.get("endpoint") == "chat" and not engines.get(engine_name).tokenizer_api.chat_messages:
+        # prompts are sized with the server's /tokenize, which counts no chat prompt on this engine:
+        # every launch would end before its load test
+        raise _fail(source, "workload.endpoint", f"{engines.get(engine_name).label}'s /tokenize "
+                    "counts no chat prompts, so no chat prompt of an exact length can be built",
+                    "use endpoint = \"completions\"")
     wl = replace(Workload(), **workload, **{f"slo_{k}": v for k, v in slo.items()})
     from tuner.load.plan import closed_levels
 
@@ -653,13 +718,20 @@ def _length_mix(workload: dict, source: str) -> None:
         if any(not isinstance(v, (int, float)) or isinstance(v, bool) for v in values):
             raise _fail(source, f"workload.{key}", f"expected numbers, got {values!r}")
         workload[key] = tuple(float(v) for v in values)
-        problem = check_mix(kind if kind in ("uniform", "normal") else "fixed", workload[key])
+        if kind in ("uniform", "normal") and not values:
+            continue   # that length stays fixed (prompt_tokens or output_tokens)
+        problem = check_mix(kind, workload[key])
         if problem:
             raise _fail(source, f"workload.{key}", problem)
     if kind in ("uniform", "normal") and not (workload["prompt_tokens_mix"] or workload["output_tokens_mix"]):
         raise _fail(source, "workload.length_mix", f"a {kind} mix needs prompt_tokens_mix or output_tokens_mix")
-    if (kind == "trace") != bool(workload.get("length_trace")):
-        raise _fail(source, "workload.length_trace", "a trace mix takes length_trace = FILE, and only it does")
+    if kind == "trace" and not workload.get("length_trace"):
+        raise _fail(source, "workload.length_trace", "missing: length_mix = \"trace\" draws the "
+                    "lengths from a file", "set length_trace = a JSONL file of {\"prompt_tokens\", "
+                    "\"output_tokens\"} lines next to the study file, or \"example\"")
+    if kind != "trace" and workload.get("length_trace"):
+        raise _fail(source, "workload.length_trace", f"is read only by a trace mix, and length_mix "
+                    f"is {kind!r}", "set length_mix = \"trace\", or remove length_trace")
     if kind == "trace":
         try:
             path = resolve_trace(workload["length_trace"], Path(source).parent)

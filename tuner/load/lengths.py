@@ -86,5 +86,6 @@ def check_mix(kind: str, spec: tuple[float, ...]) -> str:
             return (f"normal takes [mean, sd] or [mean, sd, low, high] (clipped to low-high, "
                     f"1 <= low <= high), got {list(spec)}")
     elif spec:
-        return f"a {kind} mix takes no parameters, got {list(spec)}"
+        return (f"is read only by a uniform or normal length_mix, and length_mix is {kind!r} "
+                f"(set length_mix = \"uniform\" or \"normal\", or remove it)")
     return ""

@@ -149,4 +149,7 @@ def context_too_short(w: Workload, max_model_len: int | None) -> tuple[float, st
         return None
     if w.length_mix == "fixed":
         return too_long, f"the workload's {w.prompt_tokens} + {w.output_tokens} tokens per request"
-    return too_long, f"{too_long:.0%} of a level's requests of the {w.length_mix} length mix"
+    # read after "max_model_len N <" and "... is below": the requests it is shorter than
+    share = f"{too_long:.0%}" if too_long >= 0.01 else f"{too_long:.1%}"
+    return too_long, (f"the longest {share} of a level's requests of the {w.length_mix} "
+                      f"length mix (more than max_failed_share {w.max_failed_share:g})")

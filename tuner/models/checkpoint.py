@@ -46,6 +46,34 @@ def weight_files(folder: Path) -> list[Path]:
                   and p.is_file())
 
 
+def _is_tokenizer_file(name: str) -> bool:
+    """A file a tokenizer may be loaded from (HF fast or slow, sentencepiece, tiktoken, mistral's
+    tekken): permissive, since a tokenizer wrongly missed would refuse a model that serves."""
+    name = name.lower()
+    return (name.startswith(("tokenizer", "vocab", "spiece", "sentencepiece", "tekken"))
+            or name in ("merges.txt",) or name.endswith((".tiktoken", ".model")))
+
+
+def tokenizer_problem(model: str, extra_args=()) -> str | None:
+    """Why vLLM would fail every launch of this model folder loading its tokenizer, or None.
+
+    A folder of a config.json alone (a shape copied for what-if tuning) starts no server: vLLM
+    reads the tokenizer from the model folder unless --tokenizer names another (and the load test
+    needs /tokenize, so --skip-tokenizer-init is no way out either). A GGUF carries its own."""
+    folder = Path(model)
+    if not folder.is_dir() or any(a.partition("=")[0] == "--tokenizer" for a in extra_args):
+        return None
+    try:
+        names = [p.name for p in folder.iterdir() if p.is_file()]
+    except OSError:
+        return None
+    if any(_is_tokenizer_file(n) for n in names):
+        return None
+    return (f"{folder} holds no tokenizer (tokenizer.json, tokenizer.model, vocab.json, ...): every "
+            "vLLM launch would fail loading one; copy the model's tokenizer files beside "
+            "config.json, or add \"--tokenizer\", \"ORG/NAME or FOLDER\" to [server] extra_args")
+
+
 def _is_model_dir(folder: Path) -> bool:
     return any((folder / name).is_file() for name in CONFIG_FILES)
 

@@ -52,6 +52,38 @@ def choice_note(front: pd.DataFrame, row: pd.Series, prefer: str = "balanced",
             f"{int(row['trial'])} changes the fewest flags from the defaults baseline ({differ})")
 
 
+_WORDS = {"single_stream_tok_s": ("single-stream speed", "tok/s"),
+          "throughput_tok_s": ("throughput", "tok/s"), "ttft_ms": ("TTFT p50", "ms")}
+
+
+def objective_tie_note(front: pd.DataFrame, row: pd.Series, prefer: str,
+                       noise: dict | None = None, tie_tolerance: float = 0.02) -> str:
+    """For a one-objective preference, the front members whose figure on that objective ties the
+    exported row's within the noise ("" when none, and for balanced): the pick then has the best
+    mean of a tie, not a difference the launches measured, and the others may be better elsewhere."""
+    from tuner.noise import tie_margin
+
+    if prefer not in _BY:
+        return ""
+    key = _BY[prefer]
+    front = _meeting_requirement(front)
+    value = float(row[key])
+    tied = front[[int(r["trial"]) != int(row["trial"])
+                  and abs(float(r[key]) - value) <= tie_margin(key, float(r[key]), value, _runs(r),
+                                                               _runs(row), noise, tie_tolerance)
+                  for _, r in front.iterrows()]]
+    if tied.empty:
+        return ""
+    name, unit = _WORDS[key]
+    lo, hi = float(tied[key].min()), float(tied[key].max())
+    theirs = f"{lo:,.1f}" if f"{lo:,.1f}" == f"{hi:,.1f}" else f"{lo:,.1f}-{hi:,.1f}"
+    return (f"on {name}, trial{'s' if len(tied) > 1 else ''} "
+            f"{', '.join(str(int(t)) for t in sorted(tied['trial']))} ({theirs} {unit}) "
+            f"tie{'' if len(tied) > 1 else 's'} with trial "
+            f"{int(row['trial'])} ({value:,.1f} {unit}) within the noise: the {prefer} pick is "
+            "not a measured win over them; --prefer balanced weighs the other objectives too")
+
+
 def _meeting_requirement(front: pd.DataFrame) -> pd.DataFrame:
     if "constraint_requirement" in front.columns:
         # never a config below the user's requirement, whatever frame the caller passed
@@ -466,16 +498,31 @@ def params_dict(row: pd.Series) -> dict:
 
 
 def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False, warning: str = "",
-           prefer: str = "balanced", why: str = "") -> str:
-    """best-command.sh: which choice wrote it and why, the notes as comments, the settings
-    exported, then exec of the argv."""
+           prefer: str = "balanced", why: str = "", df: pd.DataFrame | None = None) -> str:
+    """best-command.sh: which choice wrote it and why, the figures with their spread, the notes
+    as comments, the settings exported, then exec of the argv. `df` is the study's trials frame
+    (report.trials_frame), read from `study` when not given: the noise and the front the choice
+    was made from."""
+    from tuner.results import report
+
     e = exported(row, study, cfg, keep_dummy, warning)
-    figures = ", ".join(f"{k} {float(row[k]):.1f}" for k in OBJECTIVES if pd.notna(row.get(k)))
-    lines = ["#!/bin/sh", f"# tuner study {study.study_name}, trial {int(row['trial'])}: {figures}",
+    if df is None:
+        df = report.trials_frame(study, cfg.tie_tolerance if cfg is not None else 0.02,
+                                 cfg.requirement if cfg is not None else None)
+    noise = df.attrs.get("noise")
+    tolerance = cfg.tie_tolerance if cfg is not None else 0.02
+    if all(pd.notna(row.get(k)) for k in OBJECTIVES):
+        figures = report.describe_figures(row, noise)
+    else:
+        figures = f"trial {int(row['trial'])}"
+    lines = ["#!/bin/sh", f"# tuner study {study.study_name}, {figures}",
              f"# written by `python -m tuner export --prefer {prefer}"
              f"{' --keep-dummy' if keep_dummy else ''}` (each export rewrites this file)"]
     if why:
         lines.append(f"# {why}")
+    front, _ = offered_front(df, tolerance)
+    if len(front) and (ties := objective_tie_note(front, row, prefer, noise, tolerance)):
+        lines.append(f"# {ties}")
     lines += [f"# {n}" for n in e.notes]
     eng = engines.get(cfg.engine_name if cfg is not None else None)
     lines.append(f"# serves on {eng.label}'s default port {eng.default_port}; add --port N to change it")

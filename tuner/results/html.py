@@ -321,11 +321,13 @@ def commands_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
                             for c, h, d in OBJECTIVE_COLUMNS)
         # the line `export` prints on stderr when a tie, not the preference, picked the trial
         why = export.choice_note(front, row, prefer, noise, cfg.tie_tolerance)
+        ties = export.objective_tie_note(front, row, prefer, noise, cfg.tie_tolerance)
         notes = "".join(f"<li>{html.escape(n)}</li>" for n in e.notes)
         blocks.append(
             f'<div class="command" data-prefer="{prefer}" data-trial="{int(row["trial"])}">'
             f"<h3>--prefer {prefer}: trial {int(row['trial'])}</h3><p>{html.escape(figures)}</p>"
-            + (f'<p class="why">{html.escape(why)}</p>' if why else "") +
+            + (f'<p class="why">{html.escape(why)}</p>' if why else "")
+            + (f'<p class="ties">{html.escape(ties)}</p>' if ties else "") +
             f'<div class="cmdline"><pre><code id="cmd-{prefer}">{html.escape(e.command())}'
             f'</code></pre><button type="button" class="copy" data-target="cmd-{prefer}">copy'
             f"</button></div>" + (f"<ul class=\"notes\">{notes}</ul>" if notes else "") + "</div>")
@@ -343,7 +345,7 @@ def front_section(cfg: StudyConfig, df: pd.DataFrame, params) -> str:
     for k in OBJECTIVES:   # over the config's runs, else the study's launch-to-launch noise
         front[f"{k}_pm"] = [report.spread(row, k, noise) for _, row in front.iterrows()]
     stds = [(f"{k}_pm", f"{h} ±", d) for k, h, d in OBJECTIVE_COLUMNS]
-    body = para(f"{len(front)} configs no other beats beyond the measured noise. "
+    body = para(f"{report.plural(len(front), 'config')} no other beats beyond the measured noise. "
                 + "; ".join(f"{k}: {LABELS[k]}" for k in OBJECTIVES)
                 + ". ± is the standard deviation over a config's runs, or the study's "
                   "launch-to-launch noise for a config run once.")
@@ -409,7 +411,8 @@ def failures_section(df: pd.DataFrame, params, duplicates: int, engine: str = "v
     else:
         body += para("no launch failed and no config was skipped")
     if duplicates:
-        body += para(f"{duplicates} proposals repeated a measured config and were not launched")
+        body += para(f"{report.plural(duplicates, 'proposal')} repeated a measured config and "
+                     f"{'was' if duplicates == 1 else 'were'} not launched")
     body += para(f"{engine}: what the failed launch's log said; model: what the memory model "
                  "predicted before the launch (empty where it was off)")
     return section("failures-section", "Failures and skips", body)

@@ -275,7 +275,7 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
         row = export.choose(offered, prefer, noise, cfg.tie_tolerance)
         why = export.choice_note(offered, row, prefer, noise, cfg.tie_tolerance)
         (folder / "best-command.sh").write_text(
-            export.script(row, study, cfg, warning=warning, prefer=prefer, why=why))
+            export.script(row, study, cfg, warning=warning, prefer=prefer, why=why, df=df))
         written.add("best-command.sh")
     html.write(study, cfg, df, levels)
     remove_stale(folder, written, study)
@@ -393,7 +393,7 @@ STYLE = {"pareto": dict(color="#d62728", marker="*", s=160, zorder=4, label="Par
          "dominated": dict(color="#7f7f7f", marker="o", s=40, alpha=0.6, zorder=3,
                            label="dominated"),
          "infeasible": dict(color="#ff7f0e", marker="x", s=60, zorder=2,
-                            label="infeasible (SLO / load test)"),
+                            label="infeasible (measured, missed a constraint)"),
          "failed": dict(color="#000000", marker="s", s=30, zorder=1, label="failed")}
 # A front member that a strict Pareto member beats on every objective, kept only because the
 # difference is within the noise: the same star, hollow.
@@ -526,7 +526,7 @@ def projections_figure(df: pd.DataFrame, title: str = ""):
     axes[0].legend(handles, labels, fontsize=8, loc="best")
     counts = df["failure"].replace("", pd.NA).dropna().value_counts()
     unmeasured = ", ".join(f"{k} ×{v}" for k, v in counts.items() if k != "load_test_failed")
-    fig.suptitle(f"{title}: {len(measured)} measured configs"
+    fig.suptitle(f"{title}: {plural(len(measured), 'measured config')}"
                  + (f"; failed, skipped or infeasible: {unmeasured}" if unmeasured else "")
                  + ("; numbers: trials on the front" if len(front) else ""), fontsize=11)
     fig.tight_layout()
@@ -721,6 +721,24 @@ def describe_figures(row: pd.Series, noise: dict | None) -> str:
     return f"trial {int(row['trial'])}: {', '.join(parts)} ({runs} run{'s' if runs != 1 else ''})"
 
 
+def _flag_text(value, kind: str) -> str:
+    """A flag's value as the command line spells it: an int flag never as 4096.0 (a column of a
+    trial without params, a pruned or failed one, turns the whole column float), blank when unset."""
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return ""
+    if kind == "int":
+        try:
+            return str(int(float(value)))
+        except (TypeError, ValueError):
+            return str(value)
+    if kind == "float":
+        try:
+            return f"{float(value):.2f}" if float(value) == round(float(value), 2) else f"{float(value):g}"
+        except (TypeError, ValueError):
+            return str(value)
+    return str(value)
+
+
 def table(df: pd.DataFrame, columns: list[str] | None = None) -> str:
     # the three flags always, any other flag where a trial set it (a searched cpu_offload_gb)
     flags = [f.name for f in engines.flags()
@@ -734,4 +752,60 @@ def table(df: pd.DataFrame, columns: list[str] | None = None) -> str:
             view[c] = [figure(row[c], spread(row, c, noise)) for _, row in df.iterrows()]
     if "runs" in view:
         view["runs"] = view["runs"].map(lambda v: "" if pd.isna(v) else str(int(v)))
+    for f in engines.flags():
+        if f.name in view:
+            view[f.name] = view[f.name].map(lambda v, kind=f.kind: _flag_text(v, kind))
+    # pd.NA (a trial with no params or attrs yet) prints as "<NA>" whatever na_rep says
+    view = view.astype(object).where(view.notna(), "")
     return view.to_string(index=False, na_rep="")
+
+
+def _cell_text(value) -> str:
+    """One value of `all_columns_text`: floats to 6 significant digits, blank when missing."""
+    if value is None or (not isinstance(value, (str, list, dict, tuple)) and pd.isna(value)):
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def all_columns_text(df: pd.DataFrame) -> str:
+    """Every recorded column (`show --all-columns`), one block per trial rather than one line per
+    trial: a study records over a hundred columns, which as one table is thousands of characters
+    wide. The values every trial shares come once at the top; within a trial only the columns it
+    has a value in, the objectives first with their spread (`_std` columns folded into the ±)."""
+    if df.empty:
+        return ""
+    noise = df.attrs.get("noise")
+    head = [c for c in ("trial", "state", "failure", "pareto", "strict_pareto", "feasible",
+                        "baseline") if c in df.columns]
+    objective = [c for c in OBJECTIVES if c in df.columns]
+    rest = [c for c in df.columns if c not in head and c not in objective
+            and not (isinstance(c, str) and c.endswith("_std") and c[:-4] in OBJECTIVES)]
+    cells = {c: [_cell_text(v) for v in df[c]] for c in rest}
+    shared = [c for c in rest if len(df) > 1 and len(set(cells[c])) == 1 and cells[c][0] != ""]
+    rest = [c for c in rest if c not in shared]
+    lines = []
+    if shared:
+        width = max(len(str(c)) for c in shared)
+        lines.append(f"every trial ({plural(len(df), 'trial')}):")
+        lines += [f"  {str(c):<{width}}  {cells[c][0]}" for c in shared]
+        lines.append("")
+    for i, (_, row) in enumerate(df.iterrows()):
+        title = [f"trial {int(row['trial'])}", str(row.get("state", ""))]
+        if row.get("failure"):
+            title.append(str(row["failure"]))
+        if row.get("pareto") is True or row.get("pareto") == True:   # noqa: E712 (numpy bools)
+            strict = row.get("strict_pareto")
+            tie = strict is not None and not pd.isna(strict) and not bool(strict)
+            title.append("Pareto (a tie within the noise)" if tie else "Pareto")
+        if row.get("baseline"):
+            title.append(f"baseline {row['baseline']}")
+        pairs = [(k, figure(row[k], spread(row, k, noise))) for k in objective if pd.notna(row[k])]
+        pairs += [(c, cells[c][i]) for c in rest if cells[c][i] != ""]
+        lines.append("  ".join(title))
+        if pairs:
+            width = max(len(str(k)) for k, _ in pairs)
+            lines += [f"  {str(k):<{width}}  {v}" for k, v in pairs]
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
