@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                "measure": cmd_measure, "doctor": cmd_doctor,
                "compare": cmd_compare}[args.command]
     # SIGTERM unwinds like Ctrl-C, so every `with ServerProcess` stops its server before exit.
+    # a run started with `&` from a script inherits SIGINT ignored: Ctrl-C / kill -INT must still stop it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGHUP, _raise_interrupt)
     try:

@@ -232,6 +232,11 @@ class Engine(Protocol):
 # A Python exception line, also behind vLLM's "(EngineCore pid=N) ERROR date time [file]" prefix.
 _EXCEPTION_LINE = re.compile(r"^\s*(?:\([^)]*pid=\d+\)\s*)?(?:ERROR\s+[\d-]+\s+[\d:.]+\s+\[[^\]]*\]\s*)?"
                              r"[\w.]*(?:Error|Exception):\s.*$", re.M)
+# argparse refusing the command line ("api_server.py: error: unrecognized arguments: --x", the
+# xllamacpp wrapper's "llama-server (xllamacpp): error: ..."): the program's name, then the reason.
+# It prints no exception, so without this a bad fixed flag read "server exited with code 2".
+_USAGE_ERROR = re.compile(r"^[^\s:][^:\n]*: error: \S.*$", re.M)
+_PYDANTIC_HEAD = re.compile(r"\d+ validation errors? for [\w.]+$")
 TAIL_LINES = 40
 
 
@@ -248,6 +253,16 @@ def line_at(text: str, pos: int) -> str:
 
 
 def root_cause(log_text: str) -> str:
-    """The first exception line of the log: servers print the root cause before the wrappers."""
-    found = _EXCEPTION_LINE.search(log_text)
-    return found[0].strip() if found else ""
+    """The first exception line of the log (servers print the root cause before the wrappers),
+    else the line with which the server's argument parser refused its command line; "" if none."""
+    found = _EXCEPTION_LINE.search(log_text) or _USAGE_ERROR.search(log_text)
+    if not found:
+        return ""
+    cause = found[0].strip()
+    if _PYDANTIC_HEAD.search(cause):
+        # "1 validation error for ModelConfig" says nothing yet: the reason is the indented line
+        # below it ("  Value error, The checkpoint ... has model type `foobar` but ...")
+        below = log_text[found.end():].lstrip("\n").split("\n", 1)[0]
+        if below[:1].isspace() and below.strip():
+            cause += ": " + below.strip()
+    return cause

@@ -330,6 +330,89 @@ atexit.register(stop_all)
 
 
 # ---------------------------------------------------------------------------------------------
+# A watchdog per server, so that no server outlives a tuner killed with SIGKILL.
+
+# Run as `python -I -S -c WATCHDOG PGID GRACE_S` in a session of its own. Its stdin is a pipe the
+# tuner alone holds: "stop" then end-of-file means the tuner stopped the server itself; end-of-file
+# without it means the tuner died (SIGKILL, the OOM killer) with the server still up. Then it stops
+# the server's group as `kill_group` does: TERM, a grace, KILL. The group is the server's while
+# its leader has the start time it had when the watchdog began, or while members are left without
+# the leader (the kernel hands out no pid still in use as a group id): a group id reused after the
+# server ended costs no stranger its processes. No command-line marker is needed, so a warm spare
+# that could not retitle itself is guarded too.
+WATCHDOG = r"""
+import os, signal, sys, time
+pgid, grace = int(sys.argv[1]), float(sys.argv[2])
+
+def stat(pid):
+    try:
+        raw = open("/proc/%d/stat" % pid).read()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2:].split()
+
+def members():
+    found = []
+    for entry in os.listdir("/proc"):
+        fields = stat(int(entry)) if entry.isdigit() else None
+        if fields and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            found.append(int(entry))
+    return found
+
+leader = stat(pgid)
+if leader is None or leader[2] != str(pgid):
+    sys.exit(0)                       # gone already, or not a group leader: nothing to guard
+born = leader[19]
+if sys.stdin.buffer.read().startswith(b"stop"):
+    sys.exit(0)
+now = stat(pgid)
+if now is not None and now[19] != born:
+    sys.exit(0)                       # the pid was reused: not the server any more
+for sig, wait_s in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+    if not members():
+        sys.exit(0)
+    try:
+        os.killpg(pgid, sig)
+    except OSError:
+        sys.exit(0)
+    deadline = time.monotonic() + wait_s
+    while members() and time.monotonic() < deadline:
+        time.sleep(0.1)
+"""
+# A dead tuner's server gets this SIGTERM grace from its watchdog: a server still starting ignores
+# SIGTERM for a while (see `ServerProcess.stop`), and nobody waits for a graceful end.
+WATCHDOG_GRACE_S = 10.0
+
+
+def start_watchdog(pgid: int, grace_s: float) -> subprocess.Popen | None:
+    """A watchdog for the process group `pgid` (see WATCHDOG), with `grace_s` of SIGTERM before
+    SIGKILL; None when it cannot start."""
+    import sys
+
+    try:
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHDOG, str(pgid),
+                                 f"{grace_s:g}"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        return None
+
+
+def release_watchdog(watchdog: subprocess.Popen | None) -> None:
+    """Tell a watchdog its server was stopped by the tuner, and let it exit."""
+    if watchdog is None:
+        return
+    try:
+        watchdog.stdin.write(b"stop\n")
+        watchdog.stdin.close()
+    except (OSError, ValueError):
+        pass
+    try:
+        watchdog.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        watchdog.kill()
+
+
+# ---------------------------------------------------------------------------------------------
 
 def _http_get(host: str, port: int, path: str, headers: dict[str, str], timeout_s: float = 2.0
               ) -> tuple[int, str]:
@@ -382,6 +465,7 @@ class ServerProcess:
         self.listener_pids: dict[int, float] = {}  # pid: create time of ours listening on the port
         self._stopped = False
         self._stop_lock = threading.RLock()
+        self._watchdog: subprocess.Popen | None = None
 
     @property
     def returncode(self) -> int | None:
@@ -414,6 +498,8 @@ class ServerProcess:
         self.pid = self.pgid = self._proc.pid
         with _LIVE_LOCK:
             _LIVE.add(self)
+        # stops the server should this tuner be killed without a chance to (SIGKILL)
+        self._watchdog = start_watchdog(self.pgid, min(self.spec.stop_timeout_s, WATCHDOG_GRACE_S))
         # and one for the launch after this one imports while this server starts
         spare.prepare(engine_cmd, env, getattr(self.engine, "warm_imports", ()))
 
@@ -580,6 +666,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 pass
             self._stopped = True
+            release_watchdog(self._watchdog)
+            self._watchdog = None
             if self._log_file is not None:
                 self._log_file.close()
             with _LIVE_LOCK:

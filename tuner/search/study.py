@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import tempfile
 import time
@@ -44,6 +45,11 @@ MAX_ASKS_PER_TRIAL = 20
 # skips in a row (and at once when every request failed: trial.stop_if_every_request_failed).
 MAX_TUNER_ERRORS_IN_A_ROW = 3
 MAX_BUSY_IN_A_ROW = 3
+# ... and after this many launches in a row that failed with one and the same message of a kind
+# no searched value explains (a fixed flag the engine refuses, a model it cannot load): every
+# config would fail so, and --trials 40 of them would cost 40 launches to learn nothing.
+MAX_SAME_LAUNCH_FAILURES = 3
+CONFIG_BLIND_FAILURES = ("crashed", "model_load", "port_in_use")
 
 Measure = Callable[..., TrialOutcome]
 
@@ -205,8 +211,10 @@ class Tuner:
                                     sampler=make_sampler(self.cfg, worker=self.worker or 0))
         with self.lock():   # the first worker to get here queues the baselines, once
             if not study.user_attrs.get("config"):
-                study.set_user_attr("config", study_summary(self.cfg, self.model, self.extra_args))
+                # baselines first: the config marks them queued, and reading vLLM's defaults for
+                # them takes seconds; a Ctrl-C there left a study with a config and no baselines
                 self.enqueue_baselines(study)
+                study.set_user_attr("config", study_summary(self.cfg, self.model, self.extra_args))
             else:
                 self.check_same_workload(study)
         self.study = study
@@ -224,7 +232,7 @@ class Tuner:
         changes = workload_changes(stored.get("workload") or {}, asdict(self.cfg.workload))
         what = "[slo]" if changes and all(c.startswith("slo_") for c in changes) else "[workload]"
         if not changes:
-            changes, what = setup_changes(stored, self.cfg), "model or fixed flags"
+            changes, what = setup_changes(stored, self.cfg), "engine, model or fixed flags"
         if changes and self.launched_count(study) == 0:
             study.set_user_attr("config", study_summary(self.cfg, self.model, self.extra_args))
             changes = []
@@ -359,8 +367,7 @@ class Tuner:
                     "its config is queued again (once)")
                 continue
             if t.params:
-                study.enqueue_trial(t.params, user_attrs={k: v for k, v in a.items()
-                                                          if k == "baseline"})
+                study.enqueue_trial(t.params, user_attrs=baseline_attrs(a))
             log(f"trial {t.number} was interrupted; its config is queued again")
 
     def fail_stale_trials(self, study: optuna.Study) -> None:
@@ -466,8 +473,7 @@ class Tuner:
         study.tell(trial, state=TrialState.FAIL)
         # an asked Trial has no system_attrs in Optuna 5: the storage has them
         if study._storage.get_trial_system_attrs(trial._trial_id).get("fixed_params"):
-            study.enqueue_trial(trial.params, user_attrs={
-                k: v for k, v in trial.user_attrs.items() if k.startswith("baseline")})
+            study.enqueue_trial(trial.params, user_attrs=baseline_attrs(trial.user_attrs))
         return "budget_spent"
 
     def run_trial(self, study: optuna.Study, n_target: int, started: float) -> str:
@@ -604,8 +610,7 @@ class Tuner:
             # again, so the resumed run measures it (the server was stopped on the way out).
             trial.set_user_attr("failure", "interrupted")
             study.tell(trial, state=TrialState.FAIL)
-            study.enqueue_trial(trial.params, user_attrs={k: v for k, v in trial.user_attrs.items()
-                                                          if k == "baseline"})
+            study.enqueue_trial(trial.params, user_attrs=baseline_attrs(trial.user_attrs))
             raise
         except Exception as e:  # a fault of the tuner itself: FAIL, keep going
             trial.set_user_attr("failure", "tuner_error")
@@ -733,6 +738,15 @@ class Tuner:
                 if busy_in_a_row >= MAX_BUSY_IN_A_ROW:
                     raise TunerError(f"stopping: the GPU stayed busy for {busy_in_a_row} trials in a "
                                      f"row (last: {last_failure_message(study)})")
+                if kind in CONFIG_BLIND_FAILURES and (same := same_launch_failures(study)):
+                    t = same[-1]
+                    raise TunerError(
+                        f"stopping: the last {len(same)} launches ({', '.join(f'trial {x.number}' for x in same)}) "
+                        f"failed the same way whatever their flags ({t.user_attrs['failure']}: "
+                        f"{str(t.user_attrs.get('failure_message', ''))[:200]}): the fixed flags "
+                        "([server] extra_args), the model or the engine are at fault, not the "
+                        f"searched values (log: {t.user_attrs.get('log_path', '?')}). Fix that and "
+                        "run it as a new study (--name NEW): these failed launches stay in this one")
                 if kind in SKIPPED_KINDS:
                     asks_without_launch += 1
                     if asks_without_launch >= MAX_ASKS_PER_TRIAL:
@@ -808,7 +822,7 @@ class Tuner:
             folder = self.cfg.results_path / "trials" / str(number)
             folder.mkdir(parents=True, exist_ok=True)
             spec = launch_spec(self.cfg, self.platform, self.model, self.extra_args, params,
-                               folder / f"{kind}-{done + 1}.log")
+                               unused_log_path(folder, f"{kind}-{done + 1}"))
             def on_started(server) -> None:
                 # a tuner killed during this launch leaves enough behind to stop the server later
                 study.set_user_attr("relaunch_server", {
@@ -888,6 +902,15 @@ class Tuner:
                 confirmed.add(number)
 
 
+def unused_log_path(folder: Path, stem: str) -> Path:
+    """folder/STEM.log, or STEM.retry-K.log when a launch of that name was interrupted before its
+    run was stored: relaunched under the same number, it overwrote the interrupted launch's log."""
+    path, k = folder / f"{stem}.log", 1
+    while path.exists():
+        path, k = folder / f"{stem}.retry-{k}.log", k + 1
+    return path
+
+
 def launched_count(trials: list[FrozenTrial]) -> int:
     """Launches among `trials`: finished trials that were not skipped, and trials that hit a tuner
     error (they count, so a deterministic fault cannot relaunch servers forever)."""
@@ -895,6 +918,22 @@ def launched_count(trials: list[FrozenTrial]) -> int:
                if (t.state == TrialState.COMPLETE and t.user_attrs.get("failure")
                    not in SKIPPED_KINDS) or (t.state == TrialState.FAIL and
                                              t.user_attrs.get("failure") == "tuner_error"))
+
+
+def same_launch_failures(study: optuna.Study) -> list[FrozenTrial]:
+    """The study's last MAX_SAME_LAUNCH_FAILURES launches, when they all failed with the same
+    config-blind kind and message (see CONFIG_BLIND_FAILURES); else []."""
+    launched = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if t.user_attrs.get("failure") not in SKIPPED_KINDS]
+    last = launched[-MAX_SAME_LAUNCH_FAILURES:]
+    if len(last) < MAX_SAME_LAUNCH_FAILURES:
+        return []
+    # compared without their numbers: a pid, a timestamp or a port differs from launch to launch
+    said = {(t.user_attrs.get("failure"), re.sub(r"\d+", "N", str(t.user_attrs.get("failure_message", ""))))
+            for t in last}
+    if len(said) != 1 or next(iter(said))[0] not in CONFIG_BLIND_FAILURES:
+        return []
+    return last
 
 
 def launch_seconds(trials: list[FrozenTrial]) -> float | None:
@@ -914,6 +953,14 @@ def launch_seconds(trials: list[FrozenTrial]) -> float | None:
     times.sort()
     mid = len(times) // 2
     return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+
+
+def baseline_attrs(attrs) -> dict:
+    """What a baseline's queued config carries to the trial that measures it, also when queued
+    again (interrupted, or given back): its name, where its values came from, what was snapped,
+    and the context it asked for (which [requirement] judges). Only `baseline` was carried, so a
+    resumed study's report lost where the re-measured baseline's values came from."""
+    return {k: v for k, v in attrs.items() if k.startswith("baseline")}
 
 
 def tuner_gone(attrs) -> bool:
@@ -975,11 +1022,23 @@ def _span(seconds: float) -> str:
 
 
 def setup_changes(stored: dict, cfg: StudyConfig) -> list[str]:
-    """'key: then, now' for the model and the fixed flags as the study file (or command line) gave
-    them, against what the study stored when it began (studies from before these keys: none)."""
-    now = {"model_given": cfg.model, "extra_args_given": list(cfg.extra_args)}
-    return [f"{k[:-len('_given')]}: {stored[k]!r} then, {v!r} now" for k, v in now.items()
-            if k in stored and stored[k] != v]
+    """'key: then, now' for the engine, the model and the fixed flags as the study file (or command
+    line) gave them, against what the study stored when it began (studies from before these keys:
+    none, but for the engine, told by the study's dimensions: none of them a flag of the engine now).
+
+    A study begun on llama.cpp and resumed on vLLM (same name and storage) was taken on: llama.cpp's
+    trials, fed to vLLM's memory model, then made it predict that no config fits."""
+    now = {"engine": cfg.engine_name, "model_given": cfg.model,
+           "extra_args_given": list(cfg.extra_args)}
+    changes = [f"{k.removesuffix('_given')}: {stored[k]!r} then, {v!r} now" for k, v in now.items()
+               if k in stored and stored[k] != v]
+    dims = stored.get("dimensions") or []
+    if "engine" not in stored and dims:
+        names = {f.name for f in engines.get(cfg.engine_name).flags}
+        if not names & set(dims):
+            changes.insert(0, f"engine: another one then (searched {', '.join(dims)}), "
+                              f"{cfg.engine_name!r} now")
+    return changes
 
 
 def choice_changes(study: optuna.Study, dimensions) -> list[str]:
@@ -999,6 +1058,6 @@ def choice_changes(study: optuna.Study, dimensions) -> list[str]:
 
 def study_summary(cfg: StudyConfig, model: str, extra_args: tuple[str, ...]) -> dict:
     return {"model": model, "extra_args": list(extra_args), "source": cfg.source,
-            "model_given": cfg.model, "extra_args_given": list(cfg.extra_args),
+            "engine": cfg.engine_name, "model_given": cfg.model, "extra_args_given": list(cfg.extra_args),
             "dimensions": [d.name for d in cfg.dimensions],
             "workload": asdict(cfg.workload)}

@@ -370,7 +370,12 @@ def describe(t: FrozenTrial) -> str:
                 f"tok/s, {a.get('roofline_pct', 0):g} % of its roofline)")
     if a.get("failure"):
         extra = a.get("estimated_max_model_len")
-        return f"trial {t.number}: {a['failure']}" + (f" (fits {extra} tokens)" if extra else "")
+        if extra:
+            return f"trial {t.number}: {a['failure']} (fits {extra} tokens)"
+        # the reason on the line itself: "crashed" alone sent the user to trials.csv to learn
+        # that vLLM refused a flag or could not read the model
+        why = " ".join(str(a.get("failure_message", "")).split())
+        return f"trial {t.number}: {a['failure']}" + (f" ({why[:200]})" if why else "")
     ss, tp, ttft = t.values
     return (f"trial {t.number}: single-stream {ss:.1f} tok/s, throughput {tp:.1f} tok/s, "
             f"TTFT p50 {ttft:.0f} ms")
