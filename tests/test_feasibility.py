@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -627,6 +628,12 @@ def test_weights_beyond_the_device_are_certain_not_to_start(tmp_path):
     assert "budget" in weights_exceed_device(MemoryModel(shape, H200_BYTES, "cuda"),
                                              memory_budget_gib=80)
     assert weights_exceed_device(MemoryModel(shape, H200_BYTES, "cuda")) is None
+    # a tiny model against a tiny budget read "the weights alone, ~0.0 GiB, exceed the 0.001 GiB"
+    from tuner.models.presets import TINY_MODEL
+
+    tiny = model_shape(str(TINY_MODEL))
+    said = weights_exceed_device(MemoryModel(tiny, H200_BYTES, "cuda"), memory_budget_gib=0.001)
+    assert "~0.0 GiB" not in said and re.search(r"~0\.00\d+ GiB", said), said
 
 
 def test_weights_near_the_share_stay_uncertain_before_a_launch(llama8b):

@@ -415,3 +415,23 @@ def test_a_run_started_with_sigint_ignored_still_stops_on_ctrl_c():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_baseline_that_snaps_onto_another_is_named_not_dropped(tmp_path):
+    # with max_model_len and max_num_seqs each fixed to one value, the hand-tuned config snaps to
+    # vLLM's defaults: it was measured once (right) and vanished from every table without a word
+    from fakes import FAKE_PLATFORM, FAKE_STUDY, FakeDevice
+
+    from tuner.config import parse_study
+    from tuner.search.study import Tuner
+
+    doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in FAKE_STUDY.items()}
+    doc["space"] = {"gpu_memory_utilization": {"choices": [0.9]},
+                    "max_model_len": {"choices": [4096]}, "max_num_seqs": {"choices": [8]}}
+    cfg = parse_study(doc, "<fake>", {"storage": f"sqlite:///{tmp_path}/fake.db",
+                                      "results_dir": str(tmp_path / "results")})
+    baselines = Tuner(cfg, measure=FakeDevice(), platform=FAKE_PLATFORM, progress=False).baselines()
+    assert [name for name, _, _ in baselines] == ["vllm-defaults"]
+    source = baselines[0][2]["baseline_source"]
+    assert source.endswith("; hand-tuned (the hand-tuned 0.92 / 4096 / 8 of a V100 story) is the "
+                           "same config here"), source

@@ -905,8 +905,8 @@ def weights_exceed_device(model: MemoryModel, cpu_offload_gb: float | None = Non
     else:
         weights = model.shape.weights_bytes - offload
     device = float(model.device_memory_bytes)
-    said = (f"the weights alone, ~{weights / GIB:.1f} GiB"
-            + (f" after offloading {offload / GIB:.1f} GiB" if offload else ""))
+    said = (f"the weights alone, ~{_gib(weights)} GiB"
+            + (f" after offloading {_gib(offload)} GiB" if offload else ""))
     fixes = ["use a smaller or quantized model"]
     if model.platform != "cpu":
         fixes.insert(0, f"offload {'more ' if offload else ''}(--cpu-offload-gb)")
@@ -920,6 +920,12 @@ def weights_exceed_device(model: MemoryModel, cpu_offload_gb: float | None = Non
         return (f"{said}, exceed the {memory_budget_gib:g} GiB memory budget: "
                 f"{', '.join(fixes[:-1])} or {fixes[-1]}")
     return None
+
+
+def _gib(n_bytes: float) -> str:
+    """GiB with the digits that keep a small figure from reading 0.0 (0.047, 1.2, 131.4)."""
+    gib = n_bytes / GIB
+    return f"{gib:.1f}" if gib >= 0.95 else f"{gib:.2g}"
 
 
 def device_memory_bytes(platform: str) -> int:

@@ -288,7 +288,7 @@ class Tuner:
         builtin = [(f"{engines.get().name}-defaults", defaults, source),   # vllm-defaults, llamacpp-...
                    ("hand-tuned", hand_tuned, "the hand-tuned 0.92 / 4096 / 8 of a V100 story")]
         builtin += [(b.name, dict(b.values), "the study file") for b in self.cfg.baselines]
-        out, seen = [], set()
+        out, seen = [], {}
         for name, values, origin in builtin:
             snapped, notes = {}, []
             for d in self.cfg.dimensions:
@@ -299,9 +299,13 @@ class Tuner:
                 if snapped[d.name] != value:
                     notes.append(f"{d.name} {value} -> {snapped[d.name]}")
             key = config_key(snapped, self.cfg.dimensions)
-            if len(snapped) == len(self.cfg.dimensions) and key not in seen:
-                seen.add(key)
+            if len(snapped) == len(self.cfg.dimensions) and key in seen:
+                # one config measured once; say so where the first one's values come from, or the
+                # hand-tuned baseline just vanished from the tables
+                seen[key]["baseline_source"] += f"; {name} ({origin}) is the same config here"
+            elif len(snapped) == len(self.cfg.dimensions):
                 attrs = {"baseline": name, "baseline_source": origin}
+                seen[key] = attrs
                 if notes:
                     attrs["baseline_snapped"] = "; ".join(notes) + " (outside the space)"
                 asked = engines.get().request_context(values)
