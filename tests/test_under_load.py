@@ -53,3 +53,24 @@ def test_a_kv_cache_short_of_the_requirement_is_not_load_tested(tmp_path):
     assert outcome.metrics is None and outcome.load_s == 0
     enough = replace(spec(tmp_path / "enough", FAKE_KV_TOKENS="5000"), min_kv_tokens=4096)
     assert measure_config(enough, WORKLOAD, progress=False).metrics is not None
+
+
+def test_a_cache_that_ran_out_under_load_fails_the_config_not_the_study():
+    # llama.cpp with a unified KV cache too small for its slots fails requests mid-stream with
+    # "Context size has been exceeded.": nearly every request of the level failed, which read as
+    # a workload fault and stopped the whole study; any other error that alike still does
+    from types import SimpleNamespace
+
+    import pytest
+
+    from tuner.errors import TunerError
+
+    def outcome(top_error):
+        m = SimpleNamespace(requests_sent=68, requests_failed=66, rejected_for_length=0,
+                            top_error=top_error)
+        return SimpleNamespace(metrics=m, server_exit_code=None, died_under_load=None)
+
+    trial = SimpleNamespace(number=3)
+    stop_if_every_request_failed(trial, outcome("server_error: Context size has been exceeded."))
+    with pytest.raises(TunerError, match="66 of 68 requests failed"):
+        stop_if_every_request_failed(trial, outcome("http_error: HTTP 404: model not found"))

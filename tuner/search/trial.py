@@ -3,6 +3,7 @@ told for a config that produced no measurement, a config's identity on the space
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import asdict
 
@@ -20,6 +21,10 @@ DIRECTIONS = tuple("maximize" if MAXIMIZE[k] else "minimize" for k in OBJECTIVES
 CONSTRAINTS = ("memory", "launch", "load_test", "slo", "requirement")
 # A study stops at once when (nearly) every request of a launch failed with one error.
 ALL_FAILED_SHARE = 0.9
+# In-stream errors of a server whose KV cache ran out under the level's load (llama.cpp with a
+# unified cache too small for its slots: "Context size has been exceeded."): the config's capacity,
+# not a fault of the workload, so they never stop the study (see stop_if_every_request_failed).
+CACHE_RAN_OUT = re.compile(r"context size has been exceeded|kv cache is full|no (free )?kv cache", re.I)
 
 
 def extra_runs(study, number: int) -> list[dict]:
@@ -328,6 +333,8 @@ def stop_if_every_request_failed(t: FrozenTrial, outcome: TrialOutcome) -> None:
         return
     if outcome.server_exit_code is not None or outcome.died_under_load is not None:
         return   # the server died under load: that is this config's (or an outside kill's) doing
+    if CACHE_RAN_OUT.search(m.top_error or ""):
+        return   # the config's cache ran out at this load: a fact of the config, as a failed launch is
     hint = "check [workload] (prompt/output tokens, endpoint) against the model and its tokenizer"
     if "401" in m.top_error or "Unauthorized" in m.top_error:
         hint = "the server wants an API key: export VLLM_API_KEY for the tuner"
