@@ -204,3 +204,25 @@ def test_storage_option_and_a_workload_warning_for_waves(tmp_path, capsys):
     three = args + ["--storage", url] * 3
     assert cli.main(three) == 2
     assert "compare got 3 --storage for 2 --study" in capsys.readouterr().err
+
+
+def test_one_study_file_in_two_storages_compares_as_two_studies(tmp_path, capsys):
+    """Two seeds of one study, each in its own storage: refused as "given twice" before; the same
+    file with the same storage still is."""
+    from test_html_report import TIED, stored_study
+    from tuner import cli
+
+    study_file = write_study(tmp_path, fake_vllm("seeded", DEMO_WORKLOAD), "seeded.toml")
+    urls = []
+    for seed in ("a", "b"):
+        (tmp_path / seed).mkdir()
+        cfg, _ = stored_study(tmp_path / seed, TIED[:3], name="seeded")
+        urls.append(cfg.storage)
+    args = ["compare", "--study", str(study_file), "--study", str(study_file),
+            "--out", str(tmp_path / "out")]
+    assert cli.main(args + ["--storage", urls[0], "--storage", urls[1]]) == 0
+    rows = pd.read_csv(tmp_path / "out" / "compare.csv")
+    assert set(rows["study"]) == {"seeded", "seeded#2"}
+    capsys.readouterr()
+    assert cli.main(args + ["--storage", urls[0], "--storage", urls[0]]) == 2
+    assert "given twice with the same --storage" in capsys.readouterr().err

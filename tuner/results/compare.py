@@ -104,9 +104,13 @@ def load_sides(study_files: list[str], resolve, storages: list[str] | None = Non
     try:
         for i, name in enumerate(study_files):
             path = Path(resolve(name)).resolve()
-            if path in files:
-                raise TunerError(f"--study {name} is given twice: compare needs different studies")
-            files.add(path)
+            # one study file run twice into two storages (two seeds, two hosts) is two studies
+            key = (path, storages[i] if storages else None)
+            if key in files:
+                raise TunerError(f"--study {name} is given twice"
+                                 + (" with the same --storage" if storages else "")
+                                 + ": compare needs different studies (or one per --storage)")
+            files.add(key)
             cfg = load_study(path, {"storage": storages[i]} if storages else None)
             seen[cfg.name] = seen.get(cfg.name, 0) + 1
             label = cfg.name if seen[cfg.name] == 1 else f"{cfg.name}#{seen[cfg.name]}"
