@@ -47,9 +47,11 @@ def choice_note(front: pd.DataFrame, row: pd.Series, prefer: str = "balanced",
         return ""
     tied = ties_with(front, pick, noise, tie_tolerance)
     differ, _ = distance_from_defaults(row, front.attrs.get("defaults"))
+    fewest = ("is the defaults baseline itself (no flag changed)" if differ == 0 else
+              f"changes the fewest flags from the defaults baseline ({differ})")
     return (f"trials {', '.join(str(int(t)) for t in sorted(tied['trial']))} tie within the noise "
             f"with trial {int(pick['trial'])} (the {prefer} pick) on every objective; trial "
-            f"{int(row['trial'])} changes the fewest flags from the defaults baseline ({differ})")
+            f"{int(row['trial'])} {fewest}")
 
 
 _WORDS = {"single_stream_tok_s": ("single-stream speed", "tok/s"),
