@@ -19,13 +19,7 @@ from tuner.run.process import ServerProcess, group_members
 REPO = Path(__file__).resolve().parent.parent
 FAKE_VLLM = str(REPO / "tests" / "fake_vllm.py")
 
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
+from test_spare import _alive  # noqa: E402  (a process that is neither gone nor a zombie)
 
 
 def _wait_for(predicate, timeout_s: float) -> bool:
