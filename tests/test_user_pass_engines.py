@@ -195,10 +195,11 @@ def test_a_failed_launch_line_gives_its_reason():
 
 
 class RefusedFlagDevice:
-    """Every launch fails as vLLM does with a fixed flag its parser does not know."""
+    """Every launch fails as vLLM does with a fixed flag its parser does not know (or as given)."""
 
-    def __init__(self):
+    def __init__(self, kind="crashed", message="api_server.py: error: unrecognized arguments: --no-such-flag"):
         self.launches = []
+        self.kind, self.message = kind, message
 
     def __call__(self, spec, workload, on_started=None, progress=False):
         from tuner.records import LaunchFailure, TrialOutcome
@@ -206,8 +207,7 @@ class RefusedFlagDevice:
         self.launches.append(spec.params)
         return TrialOutcome(params=spec.params, argv=("vllm", "serve", spec.model), log_path=spec.log_path,
                             launch_s=1.0, failure=LaunchFailure(
-                                kind="crashed", exit_code=2,
-                                message="api_server.py: error: unrecognized arguments: --no-such-flag"))
+                                kind=self.kind, exit_code=2, message=self.message))
 
 
 def test_a_study_whose_every_launch_fails_alike_stops_after_three(tmp_path):
@@ -224,6 +224,18 @@ def test_a_study_whose_every_launch_fails_alike_stops_after_three(tmp_path):
         Tuner(cfg, measure=device, platform=FAKE_PLATFORM, progress=False).run(10)
     assert len(device.launches) == MAX_SAME_LAUNCH_FAILURES == 3
     assert "--name NEW" in str(e.value)
+
+
+def test_a_port_taken_three_times_says_free_it_and_resume_not_start_anew(tmp_path):
+    from fakes import FAKE_PLATFORM, fake_config
+
+    from tuner.errors import TunerError
+    from tuner.search.study import Tuner
+
+    device = RefusedFlagDevice("port_in_use", "port 8000 is in use by another process")
+    with pytest.raises(TunerError, match="free the port or give --ports another range") as e:
+        Tuner(fake_config(tmp_path), measure=device, platform=FAKE_PLATFORM, progress=False).run(10)
+    assert len(device.launches) == 3 and "--name NEW" not in str(e.value)
 
 
 def test_launches_failing_for_memory_do_not_stop_the_study(tmp_path):

@@ -337,9 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tuner: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        # `tuner show | head`: the reader left; say nothing more (stdout is gone)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # `tuner show | head`: the reader left; say nothing more (stdout is gone)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        raise   # another pipe broke: a fault, not the reader leaving
     except KeyboardInterrupt:
         print("tuner: interrupted; servers stopped, finished trials kept: "
               "run the same command again to resume", file=sys.stderr)

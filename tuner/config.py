@@ -229,7 +229,7 @@ def _cli(name: str) -> str:
 
 def fixed_flag_values(extra_args, source: str = "") -> dict:
     """Tunable flags the study fixes in `[server] extra_args`, parsed and checked like the space's."""
-    by_cli = {f.cli: f for f in engines.flags() if f.takes_value}
+    by_cli = {spelled: f for f in engines.flags() if f.takes_value for spelled in f.spellings}
     out: dict = {}
     args = list(extra_args)
     for i, arg in enumerate(args):
@@ -248,7 +248,8 @@ def fixed_flags(extra_args) -> dict[str, str]:
     flag name -> how it is spelled there."""
     out: dict[str, str] = {}
     for f in engines.flags():
-        spellings = {f.cli} | ({"--no-" + f.cli[2:]} if f.kind == "bool" and f.cli.startswith("--") else set())
+        spellings = set(f.spellings) | ({"--no-" + s[2:] for s in f.spellings if s.startswith("--")}
+                                        if f.kind == "bool" else set())
         for arg in extra_args:
             if arg.partition("=")[0] in spellings:
                 out.setdefault(f.name, arg.partition("=")[0])
@@ -275,7 +276,7 @@ def check_flag_values(values: dict, source: str = "command line",
     fixed_values = fixed_flag_values(extra_args, source)
     for name, spelled in fixed_flags(extra_args).items():
         flag = engines.flag(name)
-        fixed = (spelled == flag.cli) if flag.kind == "bool" else fixed_values.get(name)
+        fixed = (not spelled.startswith("--no-")) if flag.kind == "bool" else fixed_values.get(name)
         if values.get(name) is not None and values[name] != fixed:
             # extra_args come after the config's flags on the command line: theirs would run
             raise _fail(source, _cli(name), f"also fixed in the study's [server] extra_args "

@@ -46,6 +46,12 @@ class Flag:
     required: bool = False         # every study searches it
     hand_tuned: object = None      # the hand-tuned baseline's value
     help: str = ""
+    aliases: tuple[str, ...] = ()  # the engine's other spellings (llama.cpp's --ctx-size for -c)
+
+    @property
+    def spellings(self) -> tuple[str, ...]:
+        """Every way the engine takes this flag on its command line, `cli` first."""
+        return (self.cli, *self.aliases)
 
     @property
     def takes_value(self) -> bool:

@@ -21,17 +21,21 @@ from tuner.records import Capacity, LaunchFailure
 #     and fails if it does not fit; it never sizes the cache from a memory share.
 _CPU_FLAGS: tuple[Flag, ...] = (
     Flag("ctx_size", "int", "-c", default=None, memory="demand", speed="size", low=1, required=True,
-         hand_tuned=4096, help="KV cache size in tokens, shared by all slots (0 = the model's context)"),
+         hand_tuned=4096, help="KV cache size in tokens, shared by all slots (0 = the model's context)",
+         aliases=("--ctx-size",)),
     Flag("parallel", "int", "-np", default=1, speed="slots", low=1, required=True, hand_tuned=4,
-         help="slots: requests decoded at once; each gets ctx_size / parallel tokens unless kv_unified"),
+         help="slots: requests decoded at once; each gets ctx_size / parallel tokens unless kv_unified",
+         aliases=("--parallel",)),
     Flag("kv_unified", "bool", "--kv-unified", default=False, memory="equal", hand_tuned=False,
-         help="one KV cache shared by all slots, so one request may use all of ctx_size"),
+         help="one KV cache shared by all slots, so one request may use all of ctx_size",
+         aliases=("-kvu",)),
     Flag("batch_size", "int", "-b", default=2048, memory="equal", low=1, hand_tuned=2048,
-         help="most tokens in one decode call (prompt processing)"),
+         help="most tokens in one decode call (prompt processing)", aliases=("--batch-size",)),
 )
 _GPU_FLAGS: tuple[Flag, ...] = (
     Flag("n_gpu_layers", "int", "-ngl", default=None, memory="supply", low=0, hand_tuned=None,
-         help="layers offloaded to the GPU (-1: all); only in a GPU build"),
+         help="layers offloaded to the GPU (-1: all); only in a GPU build",
+         aliases=("--n-gpu-layers", "--gpu-layers")),
 )
 
 # llama-server's /metrics (with --metrics); a gauge per server, counters since start.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import shutil
 import sys
@@ -47,6 +48,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("cpu_offload_gb", "float", "--cpu-offload-gb", default=0.0, memory="supply", low=0.0,
          hand_tuned=0.0, help="GiB of weights kept in host memory (read over PCIe) per GPU"),
 )
+# vLLM's parser takes each flag with underscores too (--max_num_seqs): a study's extra_args may
+# spell it so, and the check that a searched flag is not also fixed there must see it.
+FLAGS = tuple(dataclasses.replace(f, aliases=("--" + f.cli[2:].replace("-", "_"),)) for f in FLAGS)
 
 # /metrics samples the load test keeps per level. Gauges are combined across label sets (engines)
 # by max, counters by sum.

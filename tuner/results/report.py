@@ -765,7 +765,9 @@ def _cell_text(value) -> str:
     if value is None or (not isinstance(value, (str, list, dict, tuple)) and pd.isna(value)):
         return ""
     if isinstance(value, float):
-        return f"{value:.6g}"
+        # whole numbers whole: a column a failed trial leaves blank is float, and 6 digits wrote a
+        # KV cache of 1,234,567 tokens or a pgid as 1.23457e+06
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.6g}"
     return str(value)
 
 

@@ -744,6 +744,12 @@ class Tuner:
                                      f"row (last: {last_failure_message(study)})")
                 if kind in CONFIG_BLIND_FAILURES and (same := same_launch_failures(study)):
                     t = same[-1]
+                    if kind == "port_in_use":
+                        raise TunerError(
+                            f"stopping: the last {len(same)} launches found their port taken "
+                            f"({str(t.user_attrs.get('failure_message', ''))[:200]}): free the "
+                            "port or give --ports another range, then run the same command again "
+                            "to resume")
                     raise TunerError(
                         f"stopping: the last {len(same)} launches ({', '.join(f'trial {x.number}' for x in same)}) "
                         f"failed the same way whatever their flags ({t.user_attrs['failure']}: "
@@ -937,7 +943,26 @@ def same_launch_failures(study: optuna.Study) -> list[FrozenTrial]:
             for t in last}
     if len(said) != 1 or next(iter(said))[0] not in CONFIG_BLIND_FAILURES:
         return []
+    if all(names_a_searched_value(t) for t in last):
+        return []   # each names its own config ("max_num_seqs (64) ..."): the flags explain them
     return last
+
+
+def names_a_searched_value(t: FrozenTrial) -> bool:
+    """Whether a trial's failure message names one of its searched values (a number, or a choice
+    in any case): masked numbers alone made "max_num_seqs (64)" and "(16)" one config-blind
+    failure."""
+    message = str(t.user_attrs.get("failure_message", ""))
+    numbers = {float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?!\w)", message)}
+    for value in t.params.values():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)) and float(value) in numbers:
+            return True
+        if isinstance(value, str) and value and re.search(
+                rf"(?<![\w-]){re.escape(value)}(?![\w-])", message, re.I):
+            return True
+    return False
 
 
 def launch_seconds(trials: list[FrozenTrial]) -> float | None:
