@@ -313,6 +313,27 @@ def test_dtype_flags_of_the_presets(tmp_path):
     assert devices.dtype_flags(tmp_path / "no-such-model", V100) == []
 
 
+def test_awq_on_a_v100_is_a_problem_before_any_launch():
+    # vLLM's AWQ kernels need compute 7.5: the seed's 32B AWQ preset on a real V100 (7.0) failed
+    # every launch with "Minimum capability: 75. Current capability: 70." and doctor said nothing
+    from tuner.models import presets
+    from tuner.config import read_model_configs
+
+    awq = read_model_configs(str(presets.preset_folder("qwen2.5-32b-awq")))[0]
+    said = devices.quantization_problem(V100, awq)
+    assert said.startswith("awq needs compute capability 7.5 in vLLM; Tesla V100-SXM2-16GB has 7.0")
+    assert devices.quantization_problem(H200, awq) is None
+    assert devices.quantization_problem(None, awq) is None                     # the CPU build
+    assert devices.quantization_problem(GpuInfo(0, "odd", GIB, GIB, None), awq) is None
+    plain = read_model_configs(str(presets.preset_folder("llama-3.1-8b")))[0]
+    assert devices.quantization_problem(V100, plain) is None
+    # the user's --quantization wins over the checkpoint's: GPTQ runs from 6.0
+    assert devices.quantization_problem(V100, awq, ["--quantization", "gptq"]) is None
+    pascal = GpuInfo(0, "Tesla P100", 16 * GIB, 15 * GIB, 700.0, compute_capability=(5, 2))
+    assert "gptq needs compute capability 6.0" in devices.quantization_problem(
+        pascal, plain, ["--quantization=gptq"])
+
+
 def test_compute_capability_from_nvml(monkeypatch):
     FakeNvml(monkeypatch, FakeGpu(name="Tesla V100-SXM2-16GB", capability=(7, 0)))
     (v100,) = devices.gpus()
@@ -335,13 +356,13 @@ def test_doctor_shows_the_visible_gpus_their_strangers_and_the_dtype(monkeypatch
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     platform = Platform("cuda", "x", 80 * GIB, 3350.0, ("true",), "0")
 
-    def doctor(visible: str) -> str:
+    def doctor(visible: str, model: str = str(TINY_MODEL)) -> str:
         cfg = parse_study({"model": {"path": "preset:tiny"},
                            "server": {"env": {"CUDA_VISIBLE_DEVICES": visible}},
                            "space": {"gpu_memory_utilization": {"low": 0.1, "high": 0.9},
                                      "max_model_len": {"choices": [1024]},
                                      "max_num_seqs": {"choices": [1]}}}, "s.toml", {})
-        return "\n".join(doctor_gpu_lines(cfg, platform, str(TINY_MODEL), ()))
+        return "\n".join(doctor_gpu_lines(cfg, platform, model, ()))
 
     text = doctor("1,0")
     assert "CUDA_VISIBLE_DEVICES='1,0' (study env): visible GPU 1, GPU 0; hidden GPU 2" in text
@@ -352,5 +373,11 @@ def test_doctor_shows_the_visible_gpus_their_strangers_and_the_dtype(monkeypatch
     text = doctor("GPU-v100")
     assert "GPU 0      cuda:0 (vLLM's device) Tesla V100" in text and "compute 7.0" in text
     assert "dtype      float16: Tesla V100-SXM2-16GB (compute 7.0) has no bfloat16" in text
+    assert "PROBLEM" not in text
+    from tuner.models.presets import preset_folder
+
+    text = doctor("GPU-v100", str(preset_folder("qwen2.5-32b-awq")))
+    assert "quantize   PROBLEM: awq needs compute capability 7.5 in vLLM" in text
+    assert "PROBLEM" not in doctor("GPU-h100", str(preset_folder("qwen2.5-32b-awq")))
     text = doctor("")
     assert "CUDA_VISIBLE_DEVICES hides every GPU" in text and "dtype      auto" in text

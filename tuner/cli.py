@@ -840,4 +840,7 @@ def doctor_gpu_lines(cfg, platform, model: str | None, extra_args) -> list[str]:
     if found is not None:
         choice = devices.supported_dtype(v.devices[0] if v.devices else None, found[0], extra_args)
         lines.append(f"dtype      {choice.dtype or 'auto'}: {choice.reason}")
+        problem = devices.quantization_problem(v.devices[0] if v.devices else None, found[0], extra_args)
+        if problem:
+            lines.append(f"quantize   PROBLEM: {problem}")
     return lines

@@ -73,9 +73,11 @@ PRESETS["mistral-7b"] = {
     **_llama(4096, 14336, 32, 32, 8, 32768, 32768, 1, 2, None, rope_theta=1000000.0),
     "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None,
 }
-# Qwen2.5-32B-Instruct-AWQ's published config: the 32B shape in fp16 (AWQ kernels take no bf16, and
-# a V100 has none) with 4-bit weights in groups of 128. Embeddings and lm_head stay fp16, so the
-# weights are ~18 GiB: on a 16 GB card no config starts without --cpu-offload-gb.
+# Qwen2.5-32B-Instruct-AWQ's published config: the 32B shape in fp16 with 4-bit weights in groups of
+# 128, each group with an fp16 scale and a 4-bit zero point per column. Embeddings and lm_head stay
+# fp16, so the weights are 18.0 GiB: on a 16 GB card no config starts without --cpu-offload-gb.
+# vLLM's AWQ needs compute capability 7.5 (auto_awq.py get_min_capability): a V100 (7.0) refuses
+# it at every launch, so the 16 GB card this stands for is a Turing or later one (a T4, an A4000).
 PRESETS["qwen2.5-32b-awq"] = {
     **PRESETS["qwen2.5-32b"], "torch_dtype": "float16",
     "quantization_config": {"bits": 4, "group_size": 128, "modules_to_not_convert": None,

@@ -604,6 +604,30 @@ def supported_dtype(device: GpuInfo | None, model_config: dict,
     return DtypeChoice("float16", f"{where} has no bfloat16")
 
 
+# The least compute capability of weight-only quantization kernels, as vLLM's QuantizationConfig
+# .get_min_capability gives it (awq 75, gptq 60 in vllm/model_executor/layers/quantization/ of
+# 0.24 and 0.32); a card below it refuses every launch ("Minimum capability: 75. Current
+# capability: 70."). Methods not listed are not checked.
+MIN_CAPABILITY = {"awq": (7, 5), "gptq": (6, 0)}
+
+
+def quantization_problem(device: GpuInfo | None, model_config: dict,
+                         extra_args: tuple[str, ...] | list[str] = ()) -> str | None:
+    """Why vLLM cannot serve the model's quantization on `device` (one line), or None: a V100
+    (compute 7.0) has no AWQ kernels. The CPU build and cards NVML gave no capability for: None."""
+    if device is None or device.compute_capability is None:
+        return None
+    q = model_config.get("quantization_config") or {}
+    method = flag_value(extra_args, "--quantization") or (q.get("quant_method") if isinstance(q, dict) else None)
+    need = MIN_CAPABILITY.get(str(method or "").lower())
+    cc = device.compute_capability
+    if need is None or cc >= need:
+        return None
+    return (f"{method} needs compute capability {need[0]}.{need[1]} in vLLM; {device.name} has "
+            f"{cc[0]}.{cc[1]}, so every launch would fail: use a checkpoint of another "
+            f"quantization (GPTQ runs from 6.0) or a card of compute {need[0]}.{need[1]} or more")
+
+
 def dtype_flags(model_dir, device: GpuInfo | None, extra_args: tuple[str, ...] | list[str] = ()) -> list[str]:
     """The fixed flags (["--dtype", "float16"] or []) for the model in `model_dir` on `device`.
 

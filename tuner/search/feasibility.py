@@ -222,39 +222,66 @@ def _derived_max_len(config: dict, folder: Path) -> int:
     return int(derived)
 
 
-def _param_count(c: dict, head_dim: int) -> int:
+def _param_parts(c: dict, head_dim: int) -> tuple[int, int]:
+    """(all parameters, those of the layers' linear projections): q, k, v, o and the MLP's or the
+    experts' gate, up and down weights, which a weight-only quantization (AWQ, GPTQ) packs; not
+    their biases, the norms, the router, the embeddings nor the lm_head, which stay in the dtype."""
     hidden = int(c["hidden_size"])
     layers = int(c["num_hidden_layers"])
     heads = int(c.get("num_attention_heads", 1))
     kv_heads = int(c.get("num_key_value_heads") or heads)
     inter = int(c.get("intermediate_size") or 4 * hidden)
     vocab = int(c.get("vocab_size", 32000))
-    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    attn_linear = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    attn_other = 0
     if c.get("attention_bias") or c.get("model_type") in ("qwen2", "qwen2_moe"):
-        attn += heads * head_dim + 2 * kv_heads * head_dim
+        attn_other += heads * head_dim + 2 * kv_heads * head_dim
+    if c.get("model_type") in ("qwen3", "qwen3_moe"):
+        attn_other += 2 * head_dim   # q_norm and k_norm: an RMSNorm of one head's width each
     experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0)
+    router = 0
     if experts:
         moe_inter = int(c.get("moe_intermediate_size") or inter)
         shared = int(c.get("n_shared_experts") or 0) * 3 * hidden * moe_inter
         shared += 3 * hidden * int(c.get("shared_expert_intermediate_size") or 0)
-        mlp = experts * 3 * hidden * moe_inter + hidden * experts + shared
+        mlp_linear = experts * 3 * hidden * moe_inter + shared
+        router = hidden * experts
     else:
-        mlp = 3 * hidden * inter
-    per_layer = attn + mlp + 2 * hidden
+        mlp_linear = 3 * hidden * inter
+    linear = layers * (attn_linear + mlp_linear)
+    per_layer_other = attn_other + router + 2 * hidden
     embed = vocab * hidden
     head = 0 if _tied(c) else vocab * hidden
-    return layers * per_layer + embed + head + hidden
+    return linear + layers * per_layer_other + embed + head + hidden, linear
 
 
-def _quantization(c: dict) -> tuple[str | None, float | None]:
-    """(quant method, bytes per linear weight) from quantization_config."""
+def _param_count(c: dict, head_dim: int) -> int:
+    return _param_parts(c, head_dim)[0]
+
+
+# Weight-only methods that store, per group of `group_size` input rows and per output column, a
+# scale in the activation dtype and (AWQ with zero_point, GPTQ always) a zero point packed at the
+# weights' bits: vllm/model_executor/layers/quantization/auto_awq.py and auto_gptq.py
+# (qweight, qzeros, scales). GPTQ's g_idx (4 bytes per input row, 0.1 % of a 4096-wide layer's
+# weights) is left out.
+_GROUPED = ("awq", "gptq")
+
+
+def _quantization(c: dict, dtype_bytes: int = 2) -> tuple[str | None, float | None]:
+    """(quant method, bytes per linear weight, its group scales and zero points included) from
+    quantization_config; `dtype_bytes`: the served dtype, the scales' dtype."""
     q = c.get("quantization_config") or c.get("compression_config")
     if not isinstance(q, dict):
         return None, None
     method = str(q.get("quant_method") or q.get("format") or "quantized").lower()
     bits = q.get("bits") or q.get("w_bit") or q.get("weight_bits")
     if bits:
-        return method, float(bits) / 8
+        per_weight = float(bits) / 8
+        group = q.get("group_size") or q.get("q_group_size")
+        if any(m in method for m in _GROUPED) and isinstance(group, int) and group > 0:
+            zero_points = "gptq" in method or q.get("zero_point", True)
+            per_weight += ((float(bits) / 8 if zero_points else 0.0) + dtype_bytes) / group
+        return method, per_weight
     if "fp8" in method or "int8" in method or "w8" in method:
         return method, 1.0
     if "fp4" in method or "mxfp4" in method or "awq" in method or "gptq" in method:
@@ -304,8 +331,8 @@ def model_shape(model_dir: str, dtype: str | None = None) -> ModelShape:
     dtype_bytes = served_dtype_bytes(config_dtype, dtype)
     sliding = c.get("sliding_window")
     sliding_layers = _sliding_layers(c, layers)
-    quant, quant_bytes = _quantization(c)
-    params = _param_count(c, int(c.get("head_dim") or hidden // heads))
+    quant, quant_bytes = _quantization(c, dtype_bytes)
+    params, linear = _param_parts(c, int(c.get("head_dim") or hidden // heads))
     vocab = int(c.get("vocab_size", 32000))
     file_bytes = _files_weight_bytes(folder)
     if file_bytes is not None:
@@ -313,8 +340,8 @@ def model_shape(model_dir: str, dtype: str | None = None) -> ModelShape:
         stored = _dtype_bytes(config_dtype) if config_dtype else dtype_bytes
         weights = file_bytes if quant else file_bytes * dtype_bytes / stored
     elif quant_bytes is not None:
-        embeds = vocab * hidden * (1 if _tied(c) else 2)
-        weights = int((params - embeds) * quant_bytes + embeds * dtype_bytes)
+        # the linear projections packed; embeddings, lm_head, norms and biases in the dtype
+        weights = int(linear * quant_bytes + (params - linear) * dtype_bytes)
     else:
         weights = params * dtype_bytes
     return ModelShape(
