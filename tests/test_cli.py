@@ -78,7 +78,7 @@ def test_run_leaves_results_and_prints_the_best_command(study_run):
 def test_show_export_report_read_the_storage_without_launching(study_run):
     work, study, _ = study_run
     shown = tuner("show", "--study", str(study), cwd=work)
-    assert shown.returncode == 0 and "Pareto set: trials" in shown.stdout
+    assert shown.returncode == 0 and "Pareto set: trial" in shown.stdout
     assert "launch: median" in shown.stdout and "(median phases: weights 0.0 s, compile 0.0 s" in shown.stdout
     exported = tuner("export", "--study", str(study), "--prefer", "throughput", "--json", cwd=work)
     assert exported.returncode == 0

@@ -181,6 +181,7 @@ def test_the_cli_prints_the_blocks_the_tie_note_and_why_nothing_can_be_exported(
     assert run_cli(tmp_path / "show", "h200-steady-8b", "show", "--all-columns") == 0
     out = capsys.readouterr().out
     assert out.startswith("trial 0  COMPLETE  Pareto")
+    assert out.rstrip().endswith("Pareto set: trial 0")      # one member: "trial", not "trials"
     assert max(len(line) for line in out.splitlines()) < 400
     # export said the pick's ties only in best-command.sh, not where the user reads them
     assert run_cli(tmp_path / "export", "h200-full", "export", "--prefer", "single-stream") == 0

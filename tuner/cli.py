@@ -337,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tuner: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
-        try:
+        try:   # is it stdout whose reader left? (a write there fails again; the failed one was dropped)
+            sys.stdout.write("\n")
             sys.stdout.flush()
         except BrokenPipeError:
             # `tuner show | head`: the reader left; say nothing more (stdout is gone)
@@ -448,7 +449,8 @@ def cmd_show(args) -> int:
     if launch := report.describe_launch(df):
         print(launch)
     if len(front):
-        print(f"Pareto set: trials {', '.join(str(int(t)) for t in front['trial'])}")
+        print(f"Pareto set: trial{'s' if len(front) > 1 else ''} "
+              f"{', '.join(str(int(t)) for t in front['trial'])}")
         if held := report.describe_front_watch(study, cfg.patience):
             print(held)
     else:

@@ -9,6 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from tuner import engines
@@ -85,7 +86,7 @@ def _missing(value) -> bool:
 
 
 def _number(value) -> float | None:
-    if _missing(value) or isinstance(value, (bool, str)):
+    if _missing(value) or isinstance(value, (bool, np.bool_, str)):
         return None
     try:
         x = float(value)
@@ -98,10 +99,28 @@ def fmt(value, digits: int | None) -> str:
     """A value as the page shows it: numbers rounded to `digits`, text as it is."""
     if _missing(value):
         return ""
+    if isinstance(value, (bool, np.bool_)):   # "model: fits", "offload suspected": a word, not False
+        return "yes" if value else "no"
     x = _number(value)
     if digits is None or x is None:
         return str(value)
+    if x != 0 and abs(x) < 0.5 * 10 ** -digits:
+        # 0.0039 GiB is no 0.00: two significant digits where rounding would leave nothing
+        return f"{x:.2g}"
     return f"{x:,.{digits}f}"
+
+
+# The ± column of each objective: over the config's runs, else the study's launch-to-launch noise.
+SPREAD_COLUMNS = [(f"{k}_pm", f"{h} ±", d) for k, h, d in OBJECTIVE_COLUMNS]
+
+
+def with_spreads(rows: pd.DataFrame, noise) -> pd.DataFrame:
+    """`rows` with the `{objective}_pm` columns of SPREAD_COLUMNS (NaN where nothing was measured)."""
+    rows = rows.copy()
+    for k, _, _ in OBJECTIVE_COLUMNS:
+        rows[f"{k}_pm"] = [report.spread(row, k, noise) if _number(row.get(k)) is not None
+                           else math.nan for _, row in rows.iterrows()]
+    return rows
 
 
 def _plus_minus(row, key: str, digits: int, noise) -> str:
@@ -307,6 +326,13 @@ def noise_section(df: pd.DataFrame) -> str:
     return section("noise-section", "Measured noise", body)
 
 
+def _command_html(command: str) -> str:
+    """A command line whose long lines wrap between its words, never inside one: a browser breaks
+    after any hyphen, which cut --gpu-memory-utilization in two. Each word is its own inline box;
+    the text (what the copy button copies) is the command unchanged."""
+    return " ".join(f'<span class="arg">{html.escape(word)}</span>' for word in command.split(" "))
+
+
 def commands_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
     front, warning = export.offered_front(df, cfg.tie_tolerance)
     if front.empty:
@@ -328,7 +354,7 @@ def commands_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
             f"<h3>--prefer {prefer}: trial {int(row['trial'])}</h3><p>{html.escape(figures)}</p>"
             + (f'<p class="why">{html.escape(why)}</p>' if why else "")
             + (f'<p class="ties">{html.escape(ties)}</p>' if ties else "") +
-            f'<div class="cmdline"><pre><code id="cmd-{prefer}">{html.escape(e.command())}'
+            f'<div class="cmdline"><pre><code id="cmd-{prefer}">{_command_html(e.command())}'
             f'</code></pre><button type="button" class="copy" data-target="cmd-{prefer}">copy'
             f"</button></div>" + (f"<ul class=\"notes\">{notes}</ul>" if notes else "") + "</div>")
     intro = para("python -m tuner export --prefer NAME prints the same line; balanced weighs only "
@@ -340,18 +366,17 @@ def commands_section(study, cfg: StudyConfig, df: pd.DataFrame) -> str:
 
 
 def front_section(cfg: StudyConfig, df: pd.DataFrame, params) -> str:
-    front = df[df["pareto"]].copy()
-    noise = df.attrs.get("noise")
-    for k in OBJECTIVES:   # over the config's runs, else the study's launch-to-launch noise
-        front[f"{k}_pm"] = [report.spread(row, k, noise) for _, row in front.iterrows()]
-    stds = [(f"{k}_pm", f"{h} ±", d) for k, h, d in OBJECTIVE_COLUMNS]
-    body = para(f"{report.plural(len(front), 'config')} no other beats beyond the measured noise. "
-                + "; ".join(f"{k}: {LABELS[k]}" for k in OBJECTIVES)
-                + ". ± is the standard deviation over a config's runs, or the study's "
-                  "launch-to-launch noise for a config run once.")
-    body += table(front, params + OBJECTIVE_COLUMNS + stds + [("runs", "runs", 0),
-                                                              ("roofline_pct", "roofline %", 1)],
-                  "front", _Marks(), drop_empty=True)
+    front = with_spreads(df[df["pareto"]], df.attrs.get("noise"))
+    if front.empty:   # not "0 configs no other beats" over a table of headers alone
+        body = para(report.describe_empty_front(df))
+    else:
+        body = para(f"{report.plural(len(front), 'config')} no other beats beyond the measured "
+                    "noise. " + "; ".join(f"{k}: {LABELS[k]}" for k in OBJECTIVES)
+                    + ". ± is the standard deviation over a config's runs, or the study's "
+                      "launch-to-launch noise for a config run once.")
+        body += table(front, params + OBJECTIVE_COLUMNS + SPREAD_COLUMNS
+                      + [("runs", "runs", 0), ("roofline_pct", "roofline %", 1)],
+                      "front", _Marks(), drop_empty=True)
     measured = df[df[list(OBJECTIVES)].notna().all(axis=1)] if len(df) else df
     if len(measured):
         body += figure(lambda p: report.plot_projections(df, p, cfg.name), "pareto",
@@ -408,13 +433,13 @@ def failures_section(df: pd.DataFrame, params, duplicates: int, engine: str = "v
         if "relaunch_failed" in df.columns:
             facts.insert(0, ("relaunch_failed", "a relaunch failed", None))
         body += f'<div class="wide">{table(failed, params + facts, "failures", _Marks(), drop_empty=True)}</div>'
+        body += para(f"{engine}: what the failed launch's log said; model: what the memory model "
+                     "predicted before the launch (empty where it was off)")
     else:
         body += para("no launch failed and no config was skipped")
     if duplicates:
         body += para(f"{report.plural(duplicates, 'proposal')} repeated a measured config and "
                      f"{'was' if duplicates == 1 else 'were'} not launched")
-    body += para(f"{engine}: what the failed launch's log said; model: what the memory model "
-                 "predicted before the launch (empty where it was off)")
     return section("failures-section", "Failures and skips", body)
 
 
@@ -445,19 +470,22 @@ def baselines_section(df: pd.DataFrame, params, engine: str = "vLLM") -> str:
     rows = df[df["baseline"] != ""] if len(df) else df
     if rows.empty:
         return section("baselines", "Baselines", para("no baseline measured yet"))
-    cols = params + OBJECTIVE_COLUMNS + [("baseline_source", "values from", None),
-                                         ("baseline_snapped", "snapped into the space", None)]
+    cols = params + OBJECTIVE_COLUMNS + SPREAD_COLUMNS + [
+        ("runs", "runs", 0), ("baseline_source", "values from", None),
+        ("baseline_snapped", "snapped into the space", None)]
+    rows = with_spreads(rows, df.attrs.get("noise"))
     return section("baselines", "Baselines",
                    para(f"{engine}'s defaults and the hand-tuned config, measured first (marked "
-                        "in every table and plot)") + table(rows, cols, "baselines", _Marks()))
+                        "in every table and plot)")
+                   + table(rows, cols, "baselines", _Marks(), drop_empty=True))
 
 
 def trials_section(cfg: StudyConfig, df: pd.DataFrame, params) -> str:
-    cols = params + OBJECTIVE_COLUMNS + [("runs", "runs", 0), ("kv_cache_tokens", "KV tokens", 0),
-                                         ("roofline_pct", "roofline %", 1),
-                                         ("preemptions", "preemptions", 0),
-                                         ("launch_s", "launch s", 1)]
-    body = f'<div class="wide">{table(df, cols, "trials", _Marks())}</div>'
+    cols = params + OBJECTIVE_COLUMNS + SPREAD_COLUMNS + [
+        ("runs", "runs", 0), ("kv_cache_tokens", "KV tokens", 0), ("roofline_pct", "roofline %", 1),
+        ("preemptions", "preemptions", 0), ("launch_s", "launch s", 1)]
+    rows = with_spreads(df, df.attrs.get("noise"))
+    body = f'<div class="wide">{table(rows, cols, "trials", _Marks(), drop_empty=True)}</div>'
     fx, _, _ = report._map_flags(df)   # the engine's memory-demand flag (vLLM: max_model_len)
     if len(df) and fx is not None and df[fx.name].notna().any():
         body += figure(lambda p: report.plot_parameters(df, p, cfg.name), "parameters",
@@ -473,12 +501,13 @@ th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f4f4f4} td.num{text-align:right;font-variant-numeric:tabular-nums}
 .wide{overflow-x:auto} figure.plot{margin:1em 0} figure.plot svg{max-width:100%;height:auto}
 figcaption{color:#555;font-size:12px}
-.badge{display:inline-block;border-radius:3px;padding:0 5px;margin:1px;font-size:11px;color:#fff}
+.badge{display:inline-block;white-space:nowrap;border-radius:3px;padding:0 5px;margin:1px;font-size:11px;color:#fff}
 .pareto{background:#d62728} .baseline{background:#1f77b4} .running{background:#2ca02c}
 .failed{background:#000} .failure{background:#ff7f0e}
 .partial{background:#fff3cd;border:1px solid #e0c36a;padding:.5em}
 .cmdline{display:flex;gap:.5em;align-items:flex-start}
-.cmdline pre{flex:1;background:#f6f8fa;padding:.6em;margin:0;white-space:pre-wrap;word-break:break-all}
+.cmdline pre{flex:1;background:#f6f8fa;padding:.6em;margin:0;white-space:pre-wrap;overflow-wrap:anywhere}
+.cmdline .arg{display:inline-block;max-width:100%;overflow-wrap:anywhere}
 button.copy{padding:.3em .9em;cursor:pointer}
 dl.facts{display:grid;grid-template-columns:max-content 1fr;gap:2px 1em} dd{margin:0}
 .bars .bar{display:flex;align-items:center;gap:.6em;margin:3px 0;font-size:12px}

@@ -444,20 +444,33 @@ def plot_curves(df: pd.DataFrame, levels: pd.DataFrame, path: Path, title: str =
     first = levels[(levels["launch"] == 0) & levels["throughput_tok_s"].notna()
                    & levels["ttft_ms"].notna()]
     front = set(df[df["pareto"]]["trial"].astype(int))
+    # the baselines are named in the legend, on the front or off it (dashed black), as the page
+    # promises they are marked in every plot
+    baselines = {int(t): str(b) for t, b in zip(df["trial"], df["baseline"].fillna(""))
+                 if b} if "baseline" in df.columns else {}
+    dashed = False
     for number, part in first.groupby("trial"):
         part = part.sort_values([c for c in ("request_rate", "concurrency") if c in part.columns],
                                 na_position="first")
         on = int(number) in front
-        ax.plot(part["throughput_tok_s"], part["ttft_ms"], marker="o", ms=4 if not on else 6,
-                lw=2 if on else 0.8, alpha=0.95 if on else 0.35,
-                color=None if on else "#7f7f7f", label=f"trial {int(number)}" if on else None)
+        name = baselines.get(int(number))
+        label = f"trial {int(number)}" + (f" (baseline {name})" if name else "")
+        if on:
+            style = dict(ms=6, lw=2, alpha=0.95, color=None, label=label)
+        elif name:
+            style = dict(ms=4, lw=1.2, alpha=0.8, color="#000000", ls="--", label=label)
+            dashed = True
+        else:
+            style = dict(ms=4, lw=0.8, alpha=0.35, color="#7f7f7f", label=None)
+        ax.plot(part["throughput_tok_s"], part["ttft_ms"], marker="o", **style)
     ax.set_xlabel("output tok/s at the level (steady state)")
     ax.set_ylabel("TTFT p50 at the level (ms)")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    if front:
-        ax.legend(fontsize=8, title="Pareto set")
-    ax.set_title(f"{title}: load curves, one point per level (grey: off the front)", fontsize=10)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, title="Pareto set" + (", baselines off it (dashed)" if dashed else ""))
+    ax.set_title(f"{title}: load curves, one point per level (grey: off the front"
+                 + ("; dashed black: a baseline off the front)" if dashed else ")"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -585,6 +598,14 @@ def parameters_figure(df: pd.DataFrame, title: str = ""):
     for _, row in df[mem & df[xcol].notna()].iterrows():
         ax.annotate(row["failure"].replace("_", " "), (row[xcol], row[ycol]), fontsize=6,
                     color="#ff7f0e", textcoords="offset points", xytext=(4, 4))
+    # the baselines, circled and named as in the projections (the page says every plot marks them)
+    based = df[(df["baseline"].fillna("") != "") & df[xcol].notna() & df[ycol].notna()] \
+        if "baseline" in df.columns else df.iloc[0:0]
+    for n, (_, row) in enumerate(based.iterrows()):
+        ax.scatter([float(row[xcol])], [float(row[ycol])], facecolors="none", edgecolors="#1f77b4",
+                   s=260, linewidths=1.5, zorder=5, label="baseline" if n == 0 else None)
+        ax.annotate(str(row["baseline"]), (float(row[xcol]), float(row[ycol])), fontsize=7,
+                    color="#1f77b4", textcoords="offset points", xytext=(6, -12))
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"{fx.cli if fx else 'trial'} (log scale)")
     ax.set_ylabel(f"{fy.cli if fy else 'trial'} (searched value)")
@@ -609,10 +630,10 @@ def parameters_figure(df: pd.DataFrame, title: str = ""):
                     lw=2.2 if on else 1,
                     ls="-" if kind in ("pareto", "tie", "dominated") else ":" if kind.startswith("skip:")
                     else "--")
-    pc.set_xticks(xs, [c.replace("_", "\n") for c in axes_cols], fontsize=8)
+    pc.set_xticks(xs, [_axis_name(c) for c in axes_cols], fontsize=8)
     for x, c in zip(xs, axes_cols):
-        pc.annotate(f"{lo[c]:.3g}", (x, -0.04), ha="center", fontsize=7, va="top")
-        pc.annotate(f"{hi[c]:.3g}", (x, 1.02), ha="center", fontsize=7)
+        pc.annotate(_axis_end(lo[c]), (x, -0.04), ha="center", fontsize=7, va="top")
+        pc.annotate(_axis_end(hi[c]), (x, 1.02), ha="center", fontsize=7)
     pc.set_yticks([])
     pc.set_ylim(-0.12, 1.1)
     pc.set_title("parallel coordinates (red: Pareto set, faint red: its ties within noise, grey: "
@@ -620,6 +641,21 @@ def parameters_figure(df: pd.DataFrame, title: str = ""):
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def _axis_name(column: str) -> str:
+    """A parallel-coordinates axis: "single\nstream\ntok/s", not "single\nstream\ntok\ns"."""
+    for suffix, unit in (("_tok_s", "\ntok/s"), ("_ms", "\nms"), ("_gb", "\nGB")):
+        if column.endswith(suffix):
+            return column[:-len(suffix)].replace("_", "\n") + unit
+    return column.replace("_", "\n")
+
+
+def _axis_end(value: float) -> str:
+    """An axis end as a reader reads it: 32,768 and 2,864 (":.3g" wrote 3.28e+04), 0.05, 61.3."""
+    if pd.isna(value):
+        return ""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
 def describe_noise(noise: dict | None) -> str:
