@@ -206,7 +206,7 @@ def test_committed_h200_studies_export_faithfully(name, tmp_path, vllm_parse):
 def test_best_command_says_which_choice_wrote_it_and_why(tmp_path):
     cfg = study_config(tmp_path, str(checkpoint_folder(tmp_path)))
     study, row = run_study(cfg)
-    why = "trials 1, 2 tie within the noise with trial 2 (the ttft pick) on every objective"
+    why = "the ttft pick, trial 2, ties within the noise on every objective with trial 1"
     text = export.script(row, study, cfg, prefer="ttft", why=why)
     assert "export --prefer ttft`" in text and f"# {why}\n" in text
     assert "--prefer balanced" in export.script(row, study, cfg)

@@ -419,9 +419,10 @@ def test_export_takes_the_config_closest_to_the_defaults_among_those_that_tie():
     assert int(export.choose(bare, "throughput", noise)["trial"]) == 3
     # the export says why it did not take the preference's own pick, and only then
     why = export.choice_note(front, export.choose(front, "throughput", noise), "throughput", noise)
-    assert why.startswith("trials 0, 3, 5 tie within the noise with trial 3 (the throughput pick)")
+    assert why.startswith("the throughput pick, trial 3, ties within the noise on every objective "
+                          "with trials 0, 5; ")
     # "(0)" read as a trial number: the defaults themselves are said in words
-    assert why.endswith("trial 0 is the defaults baseline itself (no flag changed)")
+    assert why.endswith("trial 0, exported instead, is the defaults baseline itself (no flag changed)")
     assert export.choice_note(bare, export.choose(bare, "throughput", noise), "throughput", noise) == ""
 
 

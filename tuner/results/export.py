@@ -49,9 +49,10 @@ def choice_note(front: pd.DataFrame, row: pd.Series, prefer: str = "balanced",
     differ, _ = distance_from_defaults(row, front.attrs.get("defaults"))
     fewest = ("is the defaults baseline itself (no flag changed)" if differ == 0 else
               f"changes the fewest flags from the defaults baseline ({differ})")
-    return (f"trials {', '.join(str(int(t)) for t in sorted(tied['trial']))} tie within the noise "
-            f"with trial {int(pick['trial'])} (the {prefer} pick) on every objective; trial "
-            f"{int(row['trial'])} {fewest}")
+    others = [int(t) for t in sorted(tied["trial"]) if int(t) != int(pick["trial"])]
+    return (f"the {prefer} pick, trial {int(pick['trial'])}, ties within the noise on every "
+            f"objective with trial{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}; "
+            f"trial {int(row['trial'])}, exported instead, {fewest}")
 
 
 _WORDS = {"single_stream_tok_s": ("single-stream speed", "tok/s"),
