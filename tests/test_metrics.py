@@ -218,3 +218,22 @@ def test_llamacpp_single_stream_falls_back_to_its_decode_counters_when_streams_a
         assert m.single_stream_tok_s is None and m.single_stream_source == "untimed"
     finally:
         engines.use("vllm")
+
+
+def test_lockstep_waves_have_no_steady_window_and_are_rated_over_the_wall_clock():
+    # 4 slots, 4 users, 2 waves in lockstep: all sent together, all done together (1.0 s prefill,
+    # then 8 tokens at 0.25 s), the second wave sent as the first completes (at 2.75-2.8 s)
+    first = [req(1.0, (0.25,) * 7, out=8, start=0.0) for _ in range(3)]
+    first.append(req(1.05, (0.25,) * 7, out=8, start=0.0))                   # done at 2.8
+    second = [req(1.0, (0.25,) * 7, out=8, start=s) for s in (2.75, 2.75, 2.75, 2.8)]
+    waves = first + second
+    # the window between the first completion and the last send would be 0.05 s, the tail of
+    # one wave, against 1.75 s of decode per request
+    assert steady_window(waves, 4) is None
+    m = summarize([phase("c4", waves, 5.55, conc=4)], Workload())
+    assert not m.steady and m.window_start_s is None
+    assert m.throughput_tok_s == pytest.approx(64 / 5.55)                     # the wall clock
+    assert m.throughput_tok_s <= 4 * 4.0                                       # 4 streams at 4 tok/s
+    # the same level staggered (each user one request behind the last) keeps its window
+    staggered = [req(0.25, (0.25,) * 3, out=4, start=s) for s in (0.0, 0.5, 1.0, 1.5, 2.0, 2.5)]
+    assert steady_window(staggered, 2) == (1.0, 2.5)
