@@ -424,6 +424,20 @@ def test_export_takes_the_config_closest_to_the_defaults_among_those_that_tie():
     # "(0)" read as a trial number: the defaults themselves are said in words
     assert why.endswith("trial 0, exported instead, is the defaults baseline itself (no flag changed)")
     assert export.choice_note(bare, export.choose(bare, "throughput", noise), "throughput", noise) == ""
+    assert export.choice_note(rest, export.choose(rest, "throughput", noise), "throughput", noise
+                              ).endswith("trial 5, exported instead, changes the fewest flags "
+                                         "from the defaults baseline (1)")
+    # as many flags changed as the pick (both change gpu_memory_utilization alone): said so
+    near = pd.DataFrame({"trial": [16, 17], "gpu_memory_utilization": [0.95, 0.93],
+                         "max_model_len": [32768, 32768], "max_num_seqs": [32, 32], "runs": [2, 1],
+                         "single_stream_tok_s": [5.94, 5.94], "throughput_tok_s": [75.3, 75.2],
+                         "ttft_ms": [1555.0, 1559.0]})
+    near.attrs["defaults"] = {"gpu_memory_utilization": 0.92, "max_model_len": 32768, "max_num_seqs": 32}
+    row = export.choose(near, "throughput", noise)
+    assert int(row["trial"]) == 17
+    assert export.choice_note(near, row, "throughput", noise).endswith(
+        "trial 17, exported instead, changes as many flags from the defaults baseline (1), "
+        "to values nearer it")
 
 
 def test_the_frame_names_the_defaults_baselines_values(tmp_path):

@@ -47,8 +47,13 @@ def choice_note(front: pd.DataFrame, row: pd.Series, prefer: str = "balanced",
         return ""
     tied = ties_with(front, pick, noise, tie_tolerance)
     differ, _ = distance_from_defaults(row, front.attrs.get("defaults"))
-    fewest = ("is the defaults baseline itself (no flag changed)" if differ == 0 else
-              f"changes the fewest flags from the defaults baseline ({differ})")
+    pick_differ, _ = distance_from_defaults(pick, front.attrs.get("defaults"))
+    if differ == 0:
+        fewest = "is the defaults baseline itself (no flag changed)"
+    elif differ < pick_differ:
+        fewest = f"changes the fewest flags from the defaults baseline ({differ})"
+    else:   # as many flags changed: the values lie nearer the baseline's
+        fewest = f"changes as many flags from the defaults baseline ({differ}), to values nearer it"
     others = [int(t) for t in sorted(tied["trial"]) if int(t) != int(pick["trial"])]
     return (f"the {prefer} pick, trial {int(pick['trial'])}, ties within the noise on every "
             f"objective with trial{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}; "
