@@ -212,7 +212,8 @@ class LevelMetrics:
     wall_s: float = 0.0                    # first request sent to last stream ended
     window_start_s: float | None = None    # the steady-state window (relative to the level's start)
     window_end_s: float | None = None
-    steady: bool = False                   # False: too short for a steady state, whole-phase rate used
+    steady: bool = False                   # False: too short for a steady state, or run in lockstep
+                                           # waves (metrics.steady_window): whole-phase rate used
     throughput_tok_s: float | None = None  # output tok/s in the steady-state window
     throughput_tok_s_wall: float | None = None  # output tokens / wall_s (ramp-up and drain included)
     requests_per_s: float | None = None
