@@ -130,7 +130,6 @@ def test_cpu_offload_gb_is_an_optional_searched_flag():
     assert fixed_flag_values(["--cpu-offload-gb", "12"]) == {"cpu_offload_gb": 12.0}
 
 
-
 def test_vllm_engine_core_is_forked_unless_the_user_says_otherwise(monkeypatch):
     # vLLM's CLI would spawn it: a new interpreter re-importing torch and vLLM on every launch
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
