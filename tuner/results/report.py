@@ -463,7 +463,7 @@ def plot_curves(df: pd.DataFrame, levels: pd.DataFrame, path: Path, title: str =
         else:
             style = dict(ms=4, lw=0.8, alpha=0.35, color="#7f7f7f", label=None)
         ax.plot(part["throughput_tok_s"], part["ttft_ms"], marker="o", **style)
-    ax.set_xlabel("output tok/s at the level (steady state)")
+    ax.set_xlabel("output tok/s at the level (steady state; whole level where it has none)")
     ax.set_ylabel("TTFT p50 at the level (ms)")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
