@@ -24,7 +24,7 @@ from tuner.search.study import Tuner
 
 ROOT = Path(__file__).resolve().parents[1]
 ODD_NAME = "<b>tight</b> & co"     # a baseline name that must be shown, never parsed as markup
-SECTIONS = ("summary", "commands", "front-section", "noise-section", "curves", "roofline-section",
+SECTIONS = ("summary", "commands", "front-section", "noise-section", "curves", "contexts", "roofline-section",
             "baselines", "failures-section", "trials-section")
 
 # Every numeric cell of the page: its table, trial, column, full value and the text shown.
@@ -158,6 +158,9 @@ def test_plots_and_tables_are_rendered(curve_study, browser, tmp_path):
     assert rows["failures"] == int((csv["failure"].notna() | (csv["state"] != "COMPLETE")
                                     | csv["relaunch_failed"].notna()).sum())
     assert rows["noise"] == len(json.loads((curve_study.folder / "noise.json").read_text())) == 3
+    # one row per context length a trial had, as contexts.csv has them
+    assert rows["contexts"] == len(pd.read_csv(curve_study.folder / "contexts.csv")) \
+        == csv["max_model_len"].nunique() >= 2
     # the screenshot shows them: the plots' area is far from blank
     import matplotlib.image
 

@@ -437,7 +437,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from tuner.results import report
+    from tuner.results import contexts, report
 
     cfg, study, df = _study_and_frame(args)
     if df.empty:
@@ -448,6 +448,8 @@ def cmd_show(args) -> int:
     print(f"\n{report.describe_noise(df.attrs.get('noise'))}")
     if launch := report.describe_launch(df):
         print(launch)
+    if lines := contexts.describe(contexts.context_frame(df)):
+        print("\n".join(lines))
     if len(front):
         print(f"Pareto set: trial{'s' if len(front) > 1 else ''} "
               f"{', '.join(str(int(t)) for t in front['trial'])}")

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from tuner import engines
-from tuner.results import export, report
+from tuner.results import contexts, export, report
 from tuner.config import StudyConfig
 from tuner.results.report import LABELS, OBJECTIVES
 
@@ -443,6 +443,34 @@ def failures_section(df: pd.DataFrame, params, duplicates: int, engine: str = "v
     return section("failures-section", "Failures and skips", body)
 
 
+def contexts_section(df: pd.DataFrame) -> str:
+    """The longest context served and how fast, one row per context length (contexts.py)."""
+    ctx = contexts.context_frame(df)
+    name = engines.get().request_context_name
+    if ctx.empty:
+        return section("contexts", "Contexts", para(f"no trial has a {name} yet"))
+    lines = contexts.describe(ctx)
+    said = [line for line in lines[:2] if not line.lstrip().startswith(name)]
+    body = "".join(para(line) for line in said)
+    body += para("per context length: the configs that served it within every constraint, that "
+                 "failed for memory at launch, that the memory model did not launch, and that ran "
+                 "but broke a constraint; the most KV-cache tokens a served config held and how many "
+                 "requests of the full length that is at once; the best figure of each objective "
+                 "among the served configs and its trial")
+    body += table(ctx, [("context", name, 0), ("served", "served", 0),
+                        ("failed_for_memory", "failed for memory", 0),
+                        ("predicted_not_to_fit", "predicted not to fit", 0),
+                        ("infeasible", "broke a constraint", 0),
+                        ("kv_cache_tokens", "most KV tokens", 0),
+                        ("requests_at_context", "requests at once", 0),
+                        ("single_stream_tok_s", "best single-stream tok/s", 1),
+                        ("single_stream_trial", "trial", 0),
+                        ("throughput_tok_s", "best throughput tok/s", 1),
+                        ("throughput_trial", "trial", 0),
+                        ("ttft_ms", "best TTFT p50 ms", 0), ("ttft_trial", "trial", 0)], "contexts")
+    return section("contexts", "Contexts", body)
+
+
 def roofline_section(df: pd.DataFrame, params) -> str:
     rows = df[df["roofline_pct"].notna()] if "roofline_pct" in df.columns else df.iloc[0:0]
     if rows.empty:
@@ -558,7 +586,8 @@ def page(study, cfg: StudyConfig, df: pd.DataFrame | None = None,
     else:
         sections = [summary_section(study, cfg, df), commands_section(study, cfg, df),
                     front_section(cfg, df, params), noise_section(df),
-                    curves_section(cfg, df, levels), roofline_section(df, params),
+                    curves_section(cfg, df, levels), contexts_section(df),
+                    roofline_section(df, params),
                     baselines_section(df, params, engine_label(cfg)),
                     failures_section(df, params, duplicates, engine_label(cfg)),
                     trials_section(cfg, df, params)]

@@ -254,11 +254,12 @@ def write_trials(study, cfg: StudyConfig) -> pd.DataFrame:
 
 
 def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame:
-    """trials.csv, pareto.csv, levels.csv, noise.json, the plots, best-command.sh, report.html;
+    """trials.csv, pareto.csv, levels.csv, noise.json, contexts.csv, the plots, best-command.sh,
+    report.html;
     then the outputs of an earlier report that storage no longer backs are removed."""
     import json
 
-    from tuner.results import export, html
+    from tuner.results import contexts, export, html
 
     df = write_trials(study, cfg)
     folder = cfg.results_path
@@ -268,7 +269,8 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
     levels = levels_frame(study)
     _write_csv(levels, folder / "levels.csv")
     (folder / "noise.json").write_text(json.dumps(df.attrs.get("noise", {}), indent=2) + "\n")
-    written = {"trials.csv", "pareto.csv", "levels.csv", "noise.json", "report.html"}
+    _write_csv(contexts.context_frame(df), folder / "contexts.csv")
+    written = {"trials.csv", "pareto.csv", "levels.csv", "noise.json", "report.html", "contexts.csv"}
     written |= {p.name for p in plot_all(df, folder, title=cfg.name, levels=levels)}
     if len(offered):
         noise = df.attrs.get("noise")
@@ -285,7 +287,7 @@ def write_all(study, cfg: StudyConfig, prefer: str = "balanced") -> pd.DataFrame
 # What a report writes into results/NAME/: only these names (and trials/<number>/*.log) are ever
 # removed as stale, never anything a person put there.
 REPORT_OUTPUTS = ("trials.csv", "pareto.csv", "levels.csv", "noise.json", "report.html",
-                  "best-command.sh", "pareto.png", "parameters.png", "curves.png")
+                  "best-command.sh", "pareto.png", "parameters.png", "curves.png", "contexts.csv")
 
 
 def remove_stale(folder: Path, written: set[str], study) -> list[Path]:

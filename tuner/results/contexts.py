@@ -1,0 +1,130 @@
+"""The longest context a device serves, and how fast: one row per context length a study tried.
+
+A user squeezing a big model onto a small card asks first "how long a context does it serve, how
+many requests of that length at once, and how fast". A study answers it as it goes: every trial
+has a context length (vLLM's max_model_len, llama.cpp's context per slot), every launch that
+started logged its KV cache in tokens, and the memory model says which configs it did not launch.
+This module folds the trials frame (report.trials_frame) into that answer: `context_frame` for
+contexts.csv and the report, `describe` for `tuner show`.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from tuner import engines
+from tuner.records import MEMORY_FAILURES, OBJECTIVES
+
+# the best config of a context per objective, and which way is better
+BEST = (("single_stream_tok_s", max, "single_stream_trial"), ("throughput_tok_s", max, "throughput_trial"),
+        ("ttft_ms", min, "ttft_trial"))
+
+COLUMNS = ["context", "served", "failed_for_memory", "predicted_not_to_fit", "infeasible",
+           "kv_cache_tokens", "requests_at_context",
+           "single_stream_tok_s", "single_stream_trial", "throughput_tok_s", "throughput_trial",
+           "ttft_ms", "ttft_trial"]
+
+
+def _context(row: pd.Series) -> int | None:
+    values = {k: v for k, v in row.items() if not (pd.api.types.is_scalar(v) and pd.isna(v))}
+    context = engines.get().request_context(values)
+    return int(context) if context else None
+
+
+def _served(row: pd.Series) -> bool:
+    """Measured and within every constraint: what the card really serves at that context."""
+    return (row.get("state") == "COMPLETE" and bool(row.get("feasible"))
+            and all(pd.notna(row.get(k)) for k in OBJECTIVES))
+
+
+def context_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per context length, shortest first: how many configs served it, failed for memory
+    at launch, were predicted not to fit (never launched) or ran but broke a constraint (over the
+    memory budget, an SLO, the offload roofline); the most KV-cache tokens a served config held
+    and how many requests of the full context that is at once; the best figure of each objective
+    among the served configs and its trial."""
+    if df.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    groups: dict[int, list[pd.Series]] = {}
+    for _, row in df.iterrows():
+        context = _context(row)
+        if context is not None:
+            groups.setdefault(context, []).append(row)
+    out = []
+    for context in sorted(groups):
+        rows = groups[context]
+        served = [r for r in rows if _served(r)]
+        failure = [str(r.get("failure") or "") for r in rows]
+        entry = {"context": context, "served": len(served),
+                 "failed_for_memory": sum(f in MEMORY_FAILURES for f in failure),
+                 "predicted_not_to_fit": sum(f == "predicted_infeasible" for f in failure),
+                 "infeasible": sum(r.get("state") == "COMPLETE" and not _served(r)
+                                   and str(r.get("failure") or "") not in MEMORY_FAILURES
+                                   and r.get("failure") != "predicted_infeasible"
+                                   and pd.notna(r.get("throughput_tok_s")) for r in rows)}
+        kv = [float(r["kv_cache_tokens"]) for r in served
+              if pd.notna(r.get("kv_cache_tokens", float("nan")))]
+        entry["kv_cache_tokens"] = int(max(kv)) if kv else None
+        entry["requests_at_context"] = int(max(kv) // context) if kv else None
+        for key, better, trial in BEST:
+            if served:
+                best = better(served, key=lambda r, k=key: float(r[k]))
+                entry[key], entry[trial] = float(best[key]), int(best["trial"])
+        out.append(entry)
+    frame = pd.DataFrame(out, columns=COLUMNS)
+    counts = ["served", "failed_for_memory", "predicted_not_to_fit", "infeasible", "kv_cache_tokens",
+              "requests_at_context", "single_stream_trial", "throughput_trial", "ttft_trial"]
+    return frame.astype({c: "Int64" for c in counts})
+
+
+def describe(ctx: pd.DataFrame) -> list[str]:
+    """Lines for `tuner show`: the longest context served with its figures, the longer ones that
+    did not serve, and a small table per context. Nothing when no trial has a context length."""
+    if ctx.empty:
+        return []
+    name = engines.get().request_context_name
+    served = ctx[ctx["served"] > 0]
+    lines = []
+    if served.empty:
+        lines.append(f"no {name} has served yet: " + _not_served(ctx))
+        return lines
+    top = served.iloc[-1]
+    held = top["requests_at_context"]
+    lines.append(
+        f"longest {name} served: {int(top['context']):,} tokens (trial {int(top['throughput_trial'])}: "
+        f"{top['throughput_tok_s']:,.1f} tok/s throughput; best single stream "
+        f"{top['single_stream_tok_s']:,.1f} tok/s, trial {int(top['single_stream_trial'])}"
+        + (f"; its KV cache held {int(held)} request{'s' if held != 1 else ''} of that length at once"
+           if pd.notna(held) else "") + ")")
+    longer = ctx[(ctx["context"] > top["context"]) & (ctx["served"] == 0)]
+    if len(longer):
+        lines.append(f"longer {name} not served: " + _not_served(longer))
+    head = f"{name:>14} served  most KV tokens  at once  single-stream tok/s  throughput tok/s  TTFT p50 ms"
+    lines.append(head)
+    for _, r in ctx.iterrows():
+        if r["served"]:
+            lines.append(f"{int(r['context']):>14,} {int(r['served']):>6} {_int(r['kv_cache_tokens']):>15} "
+                         f"{_int(r['requests_at_context']):>8} {r['single_stream_tok_s']:>20,.1f} "
+                         f"{r['throughput_tok_s']:>17,.1f} {r['ttft_ms']:>12,.0f}")
+        else:
+            lines.append(f"{int(r['context']):>14,} {0:>6}  {_why_not(r)}")
+    return lines
+
+
+def _int(value) -> str:
+    return "" if value is None or pd.isna(value) else f"{int(value):,}"
+
+
+def _why_not(r: pd.Series) -> str:
+    parts = []
+    if r["failed_for_memory"]:
+        parts.append(f"{int(r['failed_for_memory'])} failed for memory")
+    if r["predicted_not_to_fit"]:
+        parts.append(f"{int(r['predicted_not_to_fit'])} predicted not to fit")
+    if r["infeasible"]:
+        parts.append(f"{int(r['infeasible'])} ran but broke a constraint")
+    return ", ".join(parts) or "no config measured"
+
+
+def _not_served(ctx: pd.DataFrame) -> str:
+    return "; ".join(f"{int(r['context']):,} ({_why_not(r)})" for _, r in ctx.iterrows())
