@@ -53,7 +53,7 @@ def test_run_leaves_results_and_prints_the_best_command(study_run):
     work, study, done = study_run
     folder = work / "results" / "cli"
     for name in ("trials.csv", "pareto.csv", "pareto.png", "parameters.png", "best-command.sh",
-                 "study.json"):
+                 "study.json", "contexts.csv"):
         assert (folder / name).stat().st_size > 0, name
     assert (work / "studies" / "cli.db").exists()
     df = pd.read_csv(folder / "trials.csv")
@@ -65,6 +65,10 @@ def test_run_leaves_results_and_prints_the_best_command(study_run):
     argv = shlex.split(lines[0]) if len(lines) == 1 else []
     assert argv[:3] == ["FAKE_MODE=ok", "vllm", "serve"], lines
     assert "Pareto set" in done.stderr and "launch 4/4" in done.stderr
+    # the summary says the longest context served, as contexts.csv has it
+    contexts = pd.read_csv(folder / "contexts.csv")
+    longest = int(contexts.loc[contexts["served"] > 0, "context"].max())
+    assert f"longest max_model_len served: {longest:,} tokens (trial " in done.stderr
     # the phases the fake server logs (tests/fake_openai_server.py PHASE_LINES), per trial
     assert (df["launch_weights_s"] == 0.01).all() and (df["launch_compile_s"] == 0.02).all()
     assert (df["launch_graphs_s"] == 0.0).all() and (df["launch_profile_s"] == 0.03).all()

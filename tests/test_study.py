@@ -804,6 +804,8 @@ def test_a_study_whose_every_launch_failed_says_why_it_has_no_front(tmp_path, ca
     cli.print_summary(study, cfg)
     said = capsys.readouterr().err
     assert "Pareto set: none yet; no trial has met every constraint (kv_cache_too_small" in said
+    # and which contexts failed, each with its count
+    assert "no max_model_len has served yet: " in said and "failed for memory" in said
     assert "Empty DataFrame" not in said
     assert report.describe_empty_front(df.iloc[0:0]) == ("Pareto set: none yet (no trial has "
                                                          "been measured)")

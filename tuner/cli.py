@@ -390,7 +390,7 @@ def cmd_run(args) -> int:
 
 
 def print_summary(study, cfg) -> None:
-    from tuner.results import export, report
+    from tuner.results import contexts, export, report
 
     df = report.trials_frame(study, cfg.tie_tolerance, cfg.requirement)
     front, warning = export.offered_front(df, cfg.tie_tolerance)
@@ -398,6 +398,8 @@ def print_summary(study, cfg) -> None:
     print(f"study {cfg.name}: {len(df)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())})",
           file=sys.stderr)
     print(report.describe_noise(df.attrs.get("noise")), file=sys.stderr)
+    for line in contexts.headline(contexts.context_frame(df)):
+        print(line, file=sys.stderr)
     if len(front):
         print(f"Pareto set ({report.plural(len(front), 'config')}):", file=sys.stderr)
         print(report.table(front), file=sys.stderr)

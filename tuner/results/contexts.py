@@ -77,30 +77,37 @@ def context_frame(df: pd.DataFrame) -> pd.DataFrame:
     return frame.astype({c: "Int64" for c in counts})
 
 
-def describe(ctx: pd.DataFrame) -> list[str]:
-    """Lines for `tuner show`: the longest context served with its figures, the longer ones that
-    did not serve, and a small table per context. Nothing when no trial has a context length."""
+def headline(ctx: pd.DataFrame) -> list[str]:
+    """The longest context served with its figures, and the longer ones that did not serve (or why
+    none has yet); nothing when no trial has a context length."""
     if ctx.empty:
         return []
     name = engines.get().request_context_name
     served = ctx[ctx["served"] > 0]
-    lines = []
     if served.empty:
-        lines.append(f"no {name} has served yet: " + _not_served(ctx))
-        return lines
+        return [f"no {name} has served yet: " + _not_served(ctx)]
     top = served.iloc[-1]
     held = top["requests_at_context"]
-    lines.append(
+    lines = [
         f"longest {name} served: {int(top['context']):,} tokens (trial {int(top['throughput_trial'])}: "
         f"{top['throughput_tok_s']:,.1f} tok/s throughput; best single stream "
         f"{top['single_stream_tok_s']:,.1f} tok/s, trial {int(top['single_stream_trial'])}"
         + (f"; its KV cache held {int(held)} request{'s' if held != 1 else ''} of that length at once"
-           if pd.notna(held) else "") + ")")
+           if pd.notna(held) else "") + ")"]
     longer = ctx[(ctx["context"] > top["context"]) & (ctx["served"] == 0)]
     if len(longer):
         lines.append(f"longer {name} not served: " + _not_served(longer))
-    head = f"{name:>14} served  most KV tokens  at once  single-stream tok/s  throughput tok/s  TTFT p50 ms"
-    lines.append(head)
+    return lines
+
+
+def describe(ctx: pd.DataFrame) -> list[str]:
+    """Lines for `tuner show`: the headline, then one line per context length."""
+    lines = headline(ctx)
+    if ctx.empty or (ctx["served"] == 0).all():
+        return lines
+    name = engines.get().request_context_name
+    lines.append(f"{name:>14} served  most KV tokens  at once  single-stream tok/s  throughput tok/s  "
+                 "TTFT p50 ms")
     for _, r in ctx.iterrows():
         if r["served"]:
             lines.append(f"{int(r['context']):>14,} {int(r['served']):>6} {_int(r['kv_cache_tokens']):>15} "

@@ -449,9 +449,7 @@ def contexts_section(df: pd.DataFrame) -> str:
     name = engines.get().request_context_name
     if ctx.empty:
         return section("contexts", "Contexts", para(f"no trial has a {name} yet"))
-    lines = contexts.describe(ctx)
-    said = [line for line in lines[:2] if not line.lstrip().startswith(name)]
-    body = "".join(para(line) for line in said)
+    body = "".join(para(line) for line in contexts.headline(ctx))
     body += para("per context length: the configs that served it within every constraint, that "
                  "failed for memory at launch, that the memory model did not launch, and that ran "
                  "but broke a constraint; the most KV-cache tokens a served config held and how many "
