@@ -507,7 +507,7 @@ def cmd_measure(args) -> int:
     from tuner import engines
     from tuner.search.space import params_from, scaled
     from tuner.models.checkpoint import resolve_model
-    from tuner.search.study import detect_platform, launch_spec, memory_scale
+    from tuner.search.study import budget_pins, detect_platform, launch_spec, memory_scale
     from tuner.search.trial import outcome_dict
 
     # a bool flag not given is the engine's default (absent), not False
@@ -532,6 +532,7 @@ def cmd_measure(args) -> int:
     platform = detect_platform(cfg)
     check_engine_cmd(platform.engine)
     model, extra = resolve_model(cfg)
+    extra = (*extra, *budget_pins(cfg, platform, given={k for k, v in values.items() if v is not None}))
     check_tokenizer(cfg, model, extra)
     if cfg.use_memory_model and os.path.isdir(model):
         # a config.json the memory model cannot read is refused as `run` refuses it (exit 2)
@@ -603,6 +604,7 @@ def cmd_doctor(args) -> int:
     except TunerError as e:
         lines.append(f"model      PROBLEM: {e}")
     lines += doctor_gpu_lines(cfg, platform, model, extra)
+    lines += doctor_budget_lines(cfg, platform)
     try:
         fitted = checked_config(args)   # the space as searched: cut at the model's limit
         values_line = "values     space and fixed flags within vLLM's ranges and the model's limit"
@@ -681,6 +683,25 @@ def doctor_workload_lines(cfg) -> list[str]:
             f"such configs are skipped without a launch"]
 
 
+def doctor_budget_lines(cfg, platform) -> list[str]:
+    """Under a memory budget, the flags each launch adds so that the engine picks what it would on
+    a card of the budget's size (search/study.py budget_pins)."""
+    from tuner.search.study import budget_pins
+
+    try:
+        pins = budget_pins(cfg, platform)
+    except TunerError:
+        return []
+    if not pins:
+        return []
+    from tuner.engines.vllm_defaults import batch_defaults
+
+    here = batch_defaults(platform.kind, platform.memory_total_bytes, platform.device_name)
+    return [f"budget     launches add {' '.join(pins)}: vLLM's batch defaults on a "
+            f"{cfg.memory_budget_gib:g} GiB card (this one's: {here[0]} batched tokens, {here[1]} "
+            "sequences); the exported command carries them"]
+
+
 def doctor_fit_lines(cfg, platform, model: str | None, extra_args=()) -> list[str]:
     """What the memory model predicts before any launch: per max-model-len of the space, the KV
     cache at the most memory the space gives it (top gmu and cpu-offload, fewest sequences, the
@@ -691,7 +712,7 @@ def doctor_fit_lines(cfg, platform, model: str | None, extra_args=()) -> list[st
     from tuner.search import space
     from tuner.search import feasibility
     from tuner.search.feasibility import kv_dtype_bytes
-    from tuner.search.study import memory_scale
+    from tuner.search.study import budget_pins, memory_scale
 
     if not model or not os.path.isdir(model):
         return []
@@ -710,7 +731,11 @@ def doctor_fit_lines(cfg, platform, model: str | None, extra_args=()) -> list[st
     def top(name, smallest=False):
         d = dims.get(name)
         return None if d is None else d.extreme(smallest)
-    values = {k: v for k, v in fixed_flag_values(cfg.extra_args, cfg.source).items()}
+    try:
+        pins = budget_pins(cfg, platform)
+    except TunerError:
+        pins = ()
+    values = {k: v for k, v in fixed_flag_values((*cfg.extra_args, *pins), cfg.source).items()}
     for name, smallest in (("gpu_memory_utilization", False), ("cpu_offload_gb", False),
                            ("max_num_seqs", True), ("max_num_batched_tokens", True)):
         if top(name, smallest) is not None:

@@ -227,6 +227,10 @@ class Engine(Protocol):
         """The engine's own values of its flags when absent, for this model and device; None when
         they cannot be read (then each flag's `default` is assumed)."""
 
+    def budget_batch_defaults(self, budget_gib: float, platform) -> dict:
+        """Flag values the engine would pick by itself on a card of `budget_gib` where they differ
+        from this device's, for a launch under a memory budget to pin ({} when none differ)."""
+
     def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
                      extra_args=()):
         """A model predicting which configs fit in memory, or None when the engine has none;

@@ -224,6 +224,9 @@ class LlamaCpp:
     def read_defaults(self, engine_cmd, model, extra_args, env=None) -> dict | None:
         return None   # each flag's `default` is llama-server's own (ctx_size: the model's)
 
+    def budget_batch_defaults(self, budget_gib: float, platform) -> dict:
+        return {}   # llama-server's batch defaults do not depend on the device's memory
+
     def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
                      extra_args=()):
         return None

@@ -186,6 +186,10 @@ class SGLang(LogsInModule):
     def read_defaults(self, engine_cmd, model, extra_args, env=None) -> dict | None:
         return None   # SGLang's defaults come from the device's memory at launch; not read here
 
+    def budget_batch_defaults(self, budget_gib: float, platform) -> dict:
+        # its chunked_prefill_size also follows the device's memory; not modelled for a budget yet
+        return {}
+
     def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
                      extra_args=()):
         return None

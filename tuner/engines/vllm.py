@@ -160,6 +160,11 @@ class Vllm(LogsInModule):
 
         return vllm_defaults.read_defaults(engine_cmd, model, extra_args, env=env)
 
+    def budget_batch_defaults(self, budget_gib: float, platform) -> dict:
+        from tuner.engines import vllm_defaults
+
+        return vllm_defaults.budget_batch_defaults(budget_gib, platform)
+
     def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
                      extra_args=()):
         """`extra_args`' --dtype (the study's, or the one a card without bfloat16 is given) sizes

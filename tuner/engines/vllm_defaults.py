@@ -44,6 +44,32 @@ print("TUNER-DEFAULTS " + json.dumps({**found, "vllm_version": vllm.__version__}
 """
 
 
+def batch_defaults(platform_kind: str, memory_bytes: float, device_name: str = "") -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM's API server picks when both are absent
+    (`get_batch_defaults` in engine/arg_utils.py): by the device's total memory and name, not by
+    the model. The CPU build picks 2048 / 128."""
+    if platform_kind == "cpu":
+        return 2048, 128
+    if memory_bytes >= 160 * 2**30:
+        return 16384, 1024
+    if memory_bytes >= 70 * 2**30 and "a100" not in device_name.lower():
+        return 8192, 1024
+    return 2048, 256
+
+
+def budget_batch_defaults(budget_gib: float, platform) -> dict:
+    """The batch defaults vLLM would pick on a card of the memory budget's size, where they differ
+    from what it picks on this one: a 16 GiB budget emulated on an H100 would otherwise run with
+    the H100's 8,192 batched tokens a step and 1,024 sequences, where a 16 GB card gets 2,048 and
+    256 (more activation memory, less KV cache, another prefill chunk). The budget card's name is
+    not known, so an A100 target under an 80 GiB budget is taken for the large tier."""
+    here = batch_defaults(platform.kind, platform.memory_total_bytes, platform.device_name)
+    card = batch_defaults(platform.kind, budget_gib * 2**30)
+    if card == here:
+        return {}
+    return {"max_num_batched_tokens": card[0], "max_num_seqs": card[1]}
+
+
 def probe_fields() -> dict[str, tuple[str, str]]:
     """Flag name -> (attribute path in vLLM's engine config, kind), from the flag table."""
     from tuner import engines

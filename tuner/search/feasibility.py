@@ -483,13 +483,9 @@ class MemoryModel:
 
     def _batch_defaults(self) -> tuple[int, int]:
         """(max_num_batched_tokens, max_num_seqs) vLLM's API server picks (engine/arg_utils.py)."""
-        if self.platform == "cpu":
-            return 2048, 128
-        if self.device_memory_bytes >= 160 * GIB:
-            return 16384, 1024
-        if self.device_memory_bytes >= 70 * GIB and "a100" not in self.device_name:
-            return 8192, 1024
-        return 2048, 256
+        from tuner.engines.vllm_defaults import batch_defaults
+
+        return batch_defaults(self.platform, self.device_memory_bytes, self.device_name)
 
     def resolve(self, params: ServerParams) -> Resolved:
         mml = params.max_model_len or self.shape.max_position_embeddings

@@ -115,6 +115,24 @@ def memory_scale(cfg: StudyConfig, platform: Platform) -> float | None:
     return scale
 
 
+def budget_pins(cfg: StudyConfig, platform: Platform, given=()) -> tuple[str, ...]:
+    """Flags a launch under a memory budget adds so that the engine picks what it would on a card of
+    the budget's size (vLLM: the batch defaults, which follow the device's memory), unless the
+    study searches or fixes them (or `given` names them): `--max-num-batched-tokens 2048` for a
+    16 GiB budget on an H100.
+    They are in the trials' commands and so in the export (the small card's own default)."""
+    from tuner.config import fixed_flag_values
+
+    if cfg.memory_budget_gib is None:
+        return ()
+    engine = engines.get(cfg.engine_name)
+    card = engine.budget_batch_defaults(cfg.memory_budget_gib, platform)
+    searched = {d.name for d in cfg.dimensions}
+    fixed = fixed_flag_values(cfg.extra_args, cfg.source)
+    pinned = {k: v for k, v in card.items() if k not in searched and k not in fixed and k not in given}
+    return tuple(engines.flag_argv(engine.flags, pinned))
+
+
 def check_results_dir(cfg: StudyConfig) -> None:
     """Refuse an unwritable results folder, or one that belongs to another study."""
     folder = cfg.results_path
@@ -169,6 +187,8 @@ class Tuner:
         self.measure = measure
         self.progress = progress
         self.scale = memory_scale(cfg, self.platform)
+        self.pins = budget_pins(cfg, self.platform)
+        self.extra_args = (*self.extra_args, *self.pins)
         check_results_dir(cfg)
         self.memory_model = self._memory_model()
         self.model_shape = self._model_shape()
@@ -217,11 +237,27 @@ class Tuner:
                 study.set_user_attr("config", study_summary(self.cfg, self.model, self.extra_args))
             else:
                 self.check_same_workload(study)
+                self.keep_stored_pins(study)
         self.study = study
         self.recover_interrupted(study)
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             self.observe(t)
         return study
+
+    def keep_stored_pins(self, study: optuna.Study) -> None:
+        """A study whose launches ran without the budget pins (begun before they existed) goes on
+        without them: every config of a study is launched the same way."""
+        stored = (study.user_attrs.get("config") or {}).get("extra_args")
+        if not self.pins or stored is None or stored[len(stored) - len(self.pins):] == list(self.pins):
+            return
+        if self.launched_count(study) == 0:
+            study.set_user_attr("config", study_summary(self.cfg, self.model, self.extra_args))
+            return
+        log(f"study {self.cfg.name} began launching without {' '.join(self.pins)} (the batch defaults "
+            f"of a {self.cfg.memory_budget_gib:g} GiB card): its launches go on without it")
+        self.extra_args = self.extra_args[:len(self.extra_args) - len(self.pins)]
+        self.pins = ()
+        self.memory_model = self._memory_model()   # open() then feeds it the stored trials
 
     def check_same_workload(self, study: optuna.Study) -> None:
         """A resumed study must offer every config the load its trials were measured under, on the
@@ -258,12 +294,15 @@ class Tuner:
             log("reading vLLM's own defaults for this model and device (no launch) ...")
             read = engines.get().read_defaults(self.platform.engine, self.model, fixed,
                                                env=dict(self.cfg.env))
+        card = (engines.get().budget_batch_defaults(self.cfg.memory_budget_gib, self.platform)
+                if self.cfg.memory_budget_gib else {})
+        said = (f", batch defaults of a {self.cfg.memory_budget_gib:g} GiB card" if card else "")
         if read is not None:
             # flags vLLM's config is not asked about hold their table default (cpu_offload_gb 0)
             unread = {f.name: f.default for f in engines.flags()
                       if not f.read_default and f.default is not None}
-            return ({**unread, **read},
-                    f"read from vLLM {read.get('vllm_version', '')} on this device")
+            return ({**unread, **read, **card},
+                    f"read from vLLM {read.get('vllm_version', '')} on this device{said}")
         defaults = {f.name: f.default for f in engines.flags()}
         if "ctx_size" in defaults and defaults["ctx_size"] is None and (Path(self.model) / "config.json").exists():
             # llama-server's -c 0: the model's training context
@@ -276,9 +315,10 @@ class Tuner:
         elif (Path(self.model) / "config.json").exists():
             config = json.loads((Path(self.model) / "config.json").read_text())
             defaults["max_model_len"] = config.get("max_position_embeddings")
+        defaults.update(card)
         if engines.get().name != "vllm":
             return defaults, f"assumed: {engines.get().label}'s documented defaults (not read from the engine)"
-        return defaults, "assumed: vLLM's defaults could not be read from the engine"
+        return defaults, f"assumed: vLLM's defaults could not be read from the engine{said}"
 
     def baselines(self) -> list[tuple[str, dict, dict]]:
         """vLLM's defaults and the hand-tuned config, snapped into the space, then the study's own:
@@ -385,8 +425,8 @@ class Tuner:
         if self.memory_model is None:
             return
         a = t.user_attrs
-        launched = space.params_from({**t.params, "gpu_memory_utilization": a.get(
-            "launch_gpu_memory_utilization", t.params.get("gpu_memory_utilization"))})
+        launched = self.with_fixed(space.params_from({**t.params, "gpu_memory_utilization": a.get(
+            "launch_gpu_memory_utilization", t.params.get("gpu_memory_utilization"))}))
         device = a.get("device_memory_bytes")
         if a.get("kv_cache_tokens"):
             cap = Capacity(**{f.name: a[f.name] for f in fields(Capacity)
@@ -678,7 +718,20 @@ class Tuner:
         if self.memory_model is None:
             return None
         self.memory_model.device_memory_bytes = self.device_memory_bytes()
-        return self.memory_model.predict(params)
+        return self.memory_model.predict(self.with_fixed(params))
+
+    def with_fixed(self, params: space.ServerParams) -> space.ServerParams:
+        """`params` with what the launch's fixed flags set ([server] extra_args, the budget pins)
+        where `params` leave it to the engine: the memory model reasons about what is launched."""
+        from dataclasses import replace
+
+        from tuner.config import fixed_flag_values
+
+        fixed = fixed_flag_values(self.extra_args, self.cfg.source)
+        unset = {k: v for k, v in fixed.items()
+                 if k in space.ServerParams.__dataclass_fields__ and k != "extra"
+                 and params.value(k) is None}
+        return replace(params, **unset) if unset else params
 
     def roofline(self, outcome: TrialOutcome) -> dict:
         return offload_figures(self.cfg, self.platform, self.model_shape, outcome)
