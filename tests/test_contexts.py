@@ -16,9 +16,11 @@ from tuner.results import contexts
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def trial(n, context, seqs, *, failure="", feasible=True, kv=None, figures=None, state="COMPLETE"):
+def trial(n, context, seqs, *, failure="", feasible=True, kv=None, figures=None, state="COMPLETE",
+          memory=0.0):
     single, throughput, ttft = figures or (None, None, None)
     return {"trial": n, "state": state, "failure": failure, "feasible": feasible,
+            "constraint_memory": memory,
             "gpu_memory_utilization": 0.9, "max_model_len": context, "max_num_seqs": seqs,
             "kv_cache_tokens": kv, "single_stream_tok_s": single, "throughput_tok_s": throughput,
             "ttft_ms": ttft}
@@ -34,16 +36,20 @@ def test_one_row_per_context_with_its_best_served_configs_and_what_did_not_serve
         trial(1, 4096, 8, kv=9000, figures=(50.0, 300.0, 120.0)),
         trial(2, 4096, 32, kv=8500, figures=(48.0, 900.0, 90.0)),
         trial(3, 16384, 8, kv=20000, figures=(45.0, 280.0, 150.0)),
-        trial(4, 8192, 8, failure="predicted_infeasible", feasible=False),
+        trial(4, 8192, 8, failure="predicted_infeasible", feasible=False, memory=0.5),
+        # below the user's required context: not launched, but no memory verdict
+        trial(9, 1024, 8, failure="predicted_infeasible", feasible=False, memory=0.0),
         # ran, but its peak broke the memory budget: not served, counted apart
         trial(5, 32768, 4, failure="over_budget", feasible=False, kv=40000,
               figures=(51.0, 200.0, 100.0)),
         trial(6, 65536, 4, failure="kv_cache_too_small", feasible=False),
-        trial(7, 65536, 4, failure="predicted_infeasible", feasible=False),
+        trial(7, 65536, 4, failure="predicted_infeasible", feasible=False, memory=1.0),
         trial(8, 2048, 4, state="RUNNING", feasible=False),
     ])
     ctx = contexts.context_frame(df).set_index("context")
-    assert list(ctx.index) == [2048, 4096, 8192, 16384, 32768, 65536]
+    assert list(ctx.index) == [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+    assert (ctx.loc[1024, "infeasible"], ctx.loc[1024, "predicted_not_to_fit"]) == (1, 0)
+    assert ctx.loc[8192, "predicted_not_to_fit"] == 1
     row = ctx.loc[4096]
     assert (row["served"], row["kv_cache_tokens"], row["requests_at_context"]) == (2, 9000, 2)
     # each objective's best among the served configs of that context, with its trial
@@ -60,8 +66,8 @@ def test_one_row_per_context_with_its_best_served_configs_and_what_did_not_serve
     assert lines[0] == ("longest max_model_len served: 16,384 tokens (trial 3: 280.0 tok/s "
                         "throughput; best single stream 45.0 tok/s, trial 3; its KV cache held "
                         "1 request of that length at once)")
-    assert lines[1] == ("longer max_model_len not served: 32,768 (1 failed for memory, 1 ran but "
-                        "broke a constraint); 65,536 (1 failed for memory, 1 predicted not to fit)")
+    assert lines[1] == ("longer max_model_len not served: 32,768 (1 failed for memory, 1 broke a "
+                        "constraint); 65,536 (1 failed for memory, 1 predicted not to fit)")
     table = "\n".join(lines[2:])
     assert "8,192      0  1 predicted not to fit" in table
     assert "16,384      1          20,000        1" in table

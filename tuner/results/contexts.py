@@ -37,10 +37,27 @@ def _served(row: pd.Series) -> bool:
             and all(pd.notna(row.get(k)) for k in OBJECTIVES))
 
 
+def _kind(row: pd.Series) -> str:
+    """served | memory (failed for memory at launch) | predicted (not launched: the memory model
+    or an earlier memory failure said it does not fit) | infeasible (broke another constraint: the
+    budget's peak, an SLO, the roofline, the user's requirement) | "" (anything else)."""
+    failure = str(row.get("failure") or "")
+    if _served(row):
+        return "served"
+    if failure in MEMORY_FAILURES:
+        return "memory"
+    memory = row.get("constraint_memory")
+    if failure == "predicted_infeasible":
+        return "predicted" if memory is not None and pd.notna(memory) and memory > 0 else "infeasible"
+    if row.get("state") == "COMPLETE" and pd.notna(row.get("throughput_tok_s")):
+        return "infeasible"
+    return ""
+
+
 def context_frame(df: pd.DataFrame) -> pd.DataFrame:
     """One row per context length, shortest first: how many configs served it, failed for memory
-    at launch, were predicted not to fit (never launched) or ran but broke a constraint (over the
-    memory budget, an SLO, the offload roofline); the most KV-cache tokens a served config held
+    at launch, were predicted not to fit (never launched) or broke another constraint (`_kind`);
+    the most KV-cache tokens a served config held
     and how many requests of the full context that is at once; the best figure of each objective
     among the served configs and its trial."""
     if df.empty:
@@ -53,15 +70,12 @@ def context_frame(df: pd.DataFrame) -> pd.DataFrame:
     out = []
     for context in sorted(groups):
         rows = groups[context]
-        served = [r for r in rows if _served(r)]
-        failure = [str(r.get("failure") or "") for r in rows]
+        kinds = [_kind(r) for r in rows]
+        served = [r for r, k in zip(rows, kinds) if k == "served"]
         entry = {"context": context, "served": len(served),
-                 "failed_for_memory": sum(f in MEMORY_FAILURES for f in failure),
-                 "predicted_not_to_fit": sum(f == "predicted_infeasible" for f in failure),
-                 "infeasible": sum(r.get("state") == "COMPLETE" and not _served(r)
-                                   and str(r.get("failure") or "") not in MEMORY_FAILURES
-                                   and r.get("failure") != "predicted_infeasible"
-                                   and pd.notna(r.get("throughput_tok_s")) for r in rows)}
+                 "failed_for_memory": kinds.count("memory"),
+                 "predicted_not_to_fit": kinds.count("predicted"),
+                 "infeasible": kinds.count("infeasible")}
         kv = [float(r["kv_cache_tokens"]) for r in served
               if pd.notna(r.get("kv_cache_tokens", float("nan")))]
         entry["kv_cache_tokens"] = int(max(kv)) if kv else None
@@ -129,7 +143,7 @@ def _why_not(r: pd.Series) -> str:
     if r["predicted_not_to_fit"]:
         parts.append(f"{int(r['predicted_not_to_fit'])} predicted not to fit")
     if r["infeasible"]:
-        parts.append(f"{int(r['infeasible'])} ran but broke a constraint")
+        parts.append(f"{int(r['infeasible'])} broke a constraint")
     return ", ".join(parts) or "no config measured"
 
 

@@ -451,8 +451,8 @@ def contexts_section(df: pd.DataFrame) -> str:
         return section("contexts", "Contexts", para(f"no trial has a {name} yet"))
     body = "".join(para(line) for line in contexts.headline(ctx))
     body += para("per context length: the configs that served it within every constraint, that "
-                 "failed for memory at launch, that the memory model did not launch, and that ran "
-                 "but broke a constraint; the most KV-cache tokens a served config held and how many "
+                 "failed for memory at launch, that were predicted not to fit (not launched), and that "
+                 "broke another constraint (the budget's peak, an SLO, the requirement); the most KV-cache tokens a served config held and how many "
                  "requests of the full length that is at once; the best figure of each objective "
                  "among the served configs and its trial")
     body += table(ctx, [("context", name, 0), ("served", "served", 0),
