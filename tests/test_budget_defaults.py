@@ -139,3 +139,14 @@ def test_doctor_names_the_pinned_flag(tmp_path):
         "budget     launches add --max-num-batched-tokens 2048: vLLM's batch defaults on a 16 GiB "
         "card (this one's: 8192 batched tokens, 1024 sequences); the exported command carries them"]
     assert doctor_budget_lines(config(tmp_path), CPU) == []
+
+
+def test_the_memory_model_knows_the_a100_carve_out(tmp_path):
+    """vLLM gives an A100 80GB the small batch defaults; the memory model resolves them too."""
+    cfg = replace(config(tmp_path, budget=60), use_memory_model=True)
+    params = space.ServerParams(gpu_memory_utilization=0.5, max_model_len=4096, max_num_seqs=4)
+    on_a100 = Tuner(cfg, measure=FakeDevice(), platform=A100, progress=False)
+    on_h100 = Tuner(cfg, measure=FakeDevice(), platform=H100, progress=False)
+    on_h100.extra_args, on_h100.pins = on_h100.extra_args[:-2], ()    # the H100's own defaults
+    assert on_a100.memory_model.resolve(on_a100.with_fixed(params)).max_num_batched_tokens == 2048
+    assert on_h100.memory_model.resolve(on_h100.with_fixed(params)).max_num_batched_tokens == 8192

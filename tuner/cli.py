@@ -536,7 +536,8 @@ def cmd_measure(args) -> int:
     check_tokenizer(cfg, model, extra)
     if cfg.use_memory_model and os.path.isdir(model):
         # a config.json the memory model cannot read is refused as `run` refuses it (exit 2)
-        engines.get().memory_model(model, platform.memory_total_bytes, platform.kind, extra)
+        engines.get().memory_model(model, platform.memory_total_bytes, platform.kind, extra,
+                                   platform.device_name)
     params = scaled(params_from(values), memory_scale(cfg, platform))
     if platform.kind == "cuda":
         devices.check_gpu_free(int(params.gpu_memory_utilization * platform.memory_total_bytes),
@@ -718,7 +719,7 @@ def doctor_fit_lines(cfg, platform, model: str | None, extra_args=()) -> list[st
         return []
     try:
         mm = engines.get(cfg.engine_name).memory_model(model, platform.memory_total_bytes,
-                                                       platform.kind, extra_args)
+                                                       platform.kind, extra_args, platform.device_name)
         scale = memory_scale(cfg, platform)
     except TunerError as e:
         return [f"fits       PROBLEM: {e}"]

@@ -232,9 +232,10 @@ class Engine(Protocol):
         from this device's, for a launch under a memory budget to pin ({} when none differ)."""
 
     def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
-                     extra_args=()):
+                     extra_args=(), device_name: str = ""):
         """A model predicting which configs fit in memory, or None when the engine has none;
-        `extra_args` are the fixed flags it is launched with (a --dtype among them)."""
+        `extra_args` are the fixed flags it is launched with (a --dtype among them); the device's
+        name decides some of vLLM's defaults (an A100 gets the small batch defaults)."""
 
 
 # ---------------------------------------------------------------- helpers for log classifiers

@@ -228,7 +228,7 @@ class LlamaCpp:
         return {}   # llama-server's batch defaults do not depend on the device's memory
 
     def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
-                     extra_args=()):
+                     extra_args=(), device_name: str = ""):
         return None
 
 

@@ -191,7 +191,7 @@ class SGLang(LogsInModule):
         return {}
 
     def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
-                     extra_args=()):
+                     extra_args=(), device_name: str = ""):
         return None
 
 

@@ -166,14 +166,14 @@ class Vllm(LogsInModule):
         return vllm_defaults.budget_batch_defaults(budget_gib, platform)
 
     def memory_model(self, model_dir: str, device_memory_bytes: int, platform: str,
-                     extra_args=()):
+                     extra_args=(), device_name: str = ""):
         """`extra_args`' --dtype (the study's, or the one a card without bfloat16 is given) sizes
         weights and KV cache; without it, the dtype vLLM's `auto` picks."""
         from tuner.run.devices import flag_value
         from tuner.search import feasibility
 
         shape = feasibility.model_shape(model_dir, dtype=flag_value(extra_args, "--dtype"))
-        model = feasibility.MemoryModel(shape, device_memory_bytes, platform)
+        model = feasibility.MemoryModel(shape, device_memory_bytes, platform, device_name=device_name)
         # weights split over devices or quantized at load: the shape's weights are not one
         # device's until a launch logs them
         split = [flag_value(extra_args, f) for f in ("--tensor-parallel-size", "-tp",

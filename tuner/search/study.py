@@ -203,7 +203,8 @@ class Tuner:
             return None
         try:
             return engines.get().memory_model(self.model, self.platform.memory_total_bytes,
-                                              self.platform.kind, self.extra_args)
+                                              self.platform.kind, self.extra_args,
+                                              self.platform.device_name)
         except (OSError, ValueError, KeyError) as e:
             log(f"memory model off: cannot read the model's shape ({e})")
             return None
