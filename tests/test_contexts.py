@@ -111,3 +111,38 @@ def test_the_32b_study_under_16_gb_answers_how_long_a_context_and_how_fast(tmp_p
     assert csv.loc[2048, "throughput_trial"] == 16
     page = (tmp_path / "h200-16gb-32b-awq" / "report.html").read_text()
     assert 'id="contexts"' in page and "longest max_model_len served: 16,384 tokens" in page
+
+
+def test_export_the_best_config_for_a_context_or_a_named_trial(tmp_path):
+    """The committed 32B study's front is 2,048-token configs only; a user who needs 16k asks for
+    the best that serves it, or for the trial `show` names."""
+    shutil.copy(ROOT / "studies" / "h200-16gb-32b-awq.db", tmp_path / "s.db")
+    common = ["--study", "studies/h200-16gb-32b-awq.toml", "--storage", f"sqlite:///{tmp_path}/s.db",
+              "--results", str(tmp_path)]
+
+    def export(*args):
+        return subprocess.run([sys.executable, "-m", "tuner", "export", *common, *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+
+    front = export("--prefer", "throughput")
+    assert front.returncode == 0 and "--max-model-len 2048" in front.stdout
+    long = export("--min-context", "16384", "--prefer", "throughput")
+    assert long.returncode == 0, long.stderr
+    assert "--max-model-len 16384 --max-num-seqs 16 --cpu-offload-gb 11" in long.stdout
+    assert "# throughput: trial 21:" in long.stderr
+    script = (tmp_path / "h200-16gb-32b-awq" / "best-command.sh").read_text()
+    assert "`python -m tuner export --prefer throughput --min-context 16384`" in script
+    named = export("--trial", "24")
+    assert named.returncode == 0 and "--max-model-len 4096" in named.stdout
+    assert named.stderr.splitlines()[0].startswith("# trial 24: single stream 3.8")
+    assert "`python -m tuner export --trial 24`" in (
+        tmp_path / "h200-16gb-32b-awq" / "best-command.sh").read_text()
+    # what cannot be exported says why, in one line, exit 2
+    for args, said in ((["--min-context", "32768"], "no measured config with max_model_len of at "
+                        "least 32,768 tokens within every constraint (the longest served is 16,384"),
+                       (["--trial", "19"], "trial 19 of study h200-16gb-32b-awq has no feasible "
+                        "measurement (predicted_infeasible)"),
+                       (["--trial", "99"], "has no trial 99"),
+                       (["--trial", "21", "--min-context", "4096"], "not allowed with argument")):
+        out = export(*args)
+        assert out.returncode == 2 and said in out.stderr, (args, out.stderr)

@@ -266,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "  python -m tuner export --study studies/h200-16gb.toml   "
                      "the value for a 16 GB card\n"
                      "  python -m tuner export --keep-dummy     serve random weights, as the trials did\n"
+                     "  python -m tuner export --min-context 16384 --prefer throughput   "
+                     "the best config for 16k requests\n"
+                     "  python -m tuner export --trial 21       a trial `show` names, whether on the "
+                     "front or not\n"
                      "The command is the argv the trial ran: its fixed flags and --host, no --port "
                      "(vLLM's 8000),\n`vllm serve MODEL`, and under a memory budget the value for "
                      "a card of the budget's size.\nA preset's dummy weights become the model it "
@@ -279,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--keep-dummy", action="store_true",
                         help="keep --load-format dummy (random weights) instead of naming the "
                              "model a preset stands for")
+    which = export.add_mutually_exclusive_group()
+    which.add_argument("--min-context", type=positive_int, metavar="TOKENS",
+                       help="pick among the measured configs that serve requests of at least this "
+                            "many tokens (their own Pareto set), e.g. 16384")
+    which.add_argument("--trial", type=nonneg_int, metavar="N",
+                       help="export this trial's command (a feasible measured one), front or not")
     add_study_options(export, tuning=False)
 
     measure = command("measure", "launch one config, run the study's load test, print one JSON object "
@@ -463,9 +473,15 @@ def cmd_show(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from tuner.results import export, report
+    from tuner.results import contexts, export, report
 
     cfg, study, df = _study_and_frame(args)
+    asked = (f" --min-context {args.min_context}" if args.min_context else
+             f" --trial {args.trial}" if args.trial is not None else "")
+    if args.trial is not None:
+        df = export.one_trial(df, args.trial, cfg.name)
+    elif args.min_context:
+        df = contexts.at_least(df, args.min_context, cfg.tie_tolerance, cfg.name)
     front, warning = export.offered_front(df, cfg.tie_tolerance)
     if front.empty:
         measured = (df["failure"] != "").any() if len(df) else False
@@ -477,7 +493,8 @@ def cmd_export(args) -> int:
                          "fix that, or run more trials")
     row = export.choose(front, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance)
     exported = export.exported(row, study, cfg, keep_dummy=args.keep_dummy, warning=warning)
-    print(f"# {args.prefer}: {report.describe_figures(row, df.attrs.get('noise'))}", file=sys.stderr)
+    label = "" if args.trial is not None else f"{args.prefer}: "   # describe_figures names the trial
+    print(f"# {label}{report.describe_figures(row, df.attrs.get('noise'))}", file=sys.stderr)
     why = export.choice_note(front, row, args.prefer, df.attrs.get("noise"), cfg.tie_tolerance)
     if why:
         print(f"# {why}", file=sys.stderr)
@@ -494,7 +511,7 @@ def cmd_export(args) -> int:
     cfg.results_path.mkdir(parents=True, exist_ok=True)
     (cfg.results_path / "best-command.sh").write_text(
         export.script(row, study, cfg, keep_dummy=args.keep_dummy, warning=warning,
-                      prefer=args.prefer, why=why, df=df))
+                      prefer=args.prefer, why=why, df=df, asked=asked))
     return 0
 
 

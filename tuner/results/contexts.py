@@ -91,6 +91,30 @@ def context_frame(df: pd.DataFrame) -> pd.DataFrame:
     return frame.astype({c: "Int64" for c in counts})
 
 
+def at_least(df: pd.DataFrame, tokens: int, tie_tolerance: float, study_name: str) -> pd.DataFrame:
+    """The trials frame cut to the configs that serve requests of at least `tokens` tokens, with
+    their own Pareto set (`export --min-context`): the front of the whole study may hold only
+    short contexts. None served: refused with the longest context that did."""
+    from tuner.errors import TunerError
+    from tuner.results.report import pareto_mask
+
+    context = df.apply(_context, axis=1) if len(df) else pd.Series(dtype=float)
+    scope = df[context.fillna(0) >= tokens].copy() if len(df) else df
+    if len(scope):
+        scope["pareto"] = pareto_mask(scope, tie_tolerance, df.attrs.get("noise"))
+    scope.attrs = dict(df.attrs)
+    if scope.empty or not scope["pareto"].any():
+        served = context_frame(df)
+        served = served[served["served"] > 0]
+        longest = (f"the longest served is {int(served['context'].max()):,} tokens" if len(served)
+                   else "no config has served yet")
+        name = engines.get().request_context_name
+        raise TunerError(f"study {study_name} has no measured config with {name} of at least "
+                         f"{tokens:,} tokens within every constraint ({longest}): search longer "
+                         "contexts (more memory, offload, fewer sequences) or ask for less")
+    return scope
+
+
 def headline(ctx: pd.DataFrame) -> list[str]:
     """The longest context served with its figures, and the longer ones that did not serve (or why
     none has yet); nothing when no trial has a context length."""

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from tuner import engines
+from tuner.errors import TunerError
 from tuner.models import presets
 from tuner.search import space
 from tuner.results.report import MAXIMIZE, OBJECTIVES
@@ -201,6 +202,23 @@ def balanced_objectives(front: pd.DataFrame, noise: dict | None = None,
         if v[hi] - v[lo] > tie_margin(k, v[hi], v[lo], runs[hi], runs[lo], noise, tie_tolerance):
             keys.append(k)
     return keys
+
+
+def one_trial(df: pd.DataFrame, number: int, study_name: str) -> pd.DataFrame:
+    """The trials frame cut to trial `number`, as its own one-member front (`export --trial`);
+    a trial the study does not have, or one not measured within every constraint, is refused."""
+    rows = df[df["trial"] == number].copy() if len(df) else df
+    if rows.empty:
+        raise TunerError(f"study {study_name} has no trial {number} (`show` lists them)")
+    row = rows.iloc[0]
+    if not (row.get("state") == "COMPLETE" and bool(row.get("feasible"))
+            and all(pd.notna(row.get(k)) for k in OBJECTIVES)):
+        said = row.get("failure") or row.get("state")
+        raise TunerError(f"trial {number} of study {study_name} has no feasible measurement "
+                         f"({said}): export a measured config")
+    rows["pareto"] = True
+    rows.attrs = dict(df.attrs)
+    return rows
 
 
 def offered_front(df: pd.DataFrame, tie_tolerance: float = 0.02) -> tuple[pd.DataFrame, str]:
@@ -506,11 +524,12 @@ def params_dict(row: pd.Series) -> dict:
 
 
 def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False, warning: str = "",
-           prefer: str = "balanced", why: str = "", df: pd.DataFrame | None = None) -> str:
+           prefer: str = "balanced", why: str = "", df: pd.DataFrame | None = None,
+           asked: str = "") -> str:
     """best-command.sh: which choice wrote it and why, the figures with their spread, the notes
     as comments, the settings exported, then exec of the argv. `df` is the study's trials frame
     (report.trials_frame), read from `study` when not given: the noise and the front the choice
-    was made from."""
+    was made from. `asked`: export's other choosing options as given (" --trial 21")."""
     from tuner.results import report
 
     e = exported(row, study, cfg, keep_dummy, warning)
@@ -524,7 +543,8 @@ def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False, warning: s
     else:
         figures = f"trial {int(row['trial'])}"
     lines = ["#!/bin/sh", f"# tuner study {study.study_name}, {figures}",
-             f"# written by `python -m tuner export --prefer {prefer}"
+             f"# written by `python -m tuner export "
+             f"{asked.strip() if asked.startswith(' --trial') else f'--prefer {prefer}{asked}'}"
              f"{' --keep-dummy' if keep_dummy else ''}` (each export rewrites this file)"]
     if why:
         lines.append(f"# {why}")
