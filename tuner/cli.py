@@ -476,8 +476,8 @@ def cmd_export(args) -> int:
     from tuner.results import contexts, export, report
 
     cfg, study, df = _study_and_frame(args)
-    asked = (f" --min-context {args.min_context}" if args.min_context else
-             f" --trial {args.trial}" if args.trial is not None else "")
+    asked = (f"--trial {args.trial}" if args.trial is not None else f"--prefer {args.prefer}"
+             + (f" --min-context {args.min_context}" if args.min_context else ""))
     if args.trial is not None:
         df = export.one_trial(df, args.trial, cfg.name)
     elif args.min_context:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pandas as pd
 
 from tuner import engines
-from tuner.records import MEMORY_FAILURES, OBJECTIVES
+from tuner.records import MEMORY_FAILURES
+from tuner.results.report import measured_feasible
 
 # the best config of a context per objective, and which way is better
 BEST = (("single_stream_tok_s", max, "single_stream_trial"), ("throughput_tok_s", max, "throughput_trial"),
@@ -31,18 +32,12 @@ def _context(row: pd.Series) -> int | None:
     return int(context) if context else None
 
 
-def _served(row: pd.Series) -> bool:
-    """Measured and within every constraint: what the card really serves at that context."""
-    return (row.get("state") == "COMPLETE" and bool(row.get("feasible"))
-            and all(pd.notna(row.get(k)) for k in OBJECTIVES))
-
-
 def _kind(row: pd.Series) -> str:
     """served | memory (failed for memory at launch) | predicted (not launched: the memory model
     or an earlier memory failure said it does not fit) | infeasible (broke another constraint: the
     budget's peak, an SLO, the roofline, the user's requirement) | "" (anything else)."""
     failure = str(row.get("failure") or "")
-    if _served(row):
+    if measured_feasible(row):   # what the card really serves at that context
         return "served"
     if failure in MEMORY_FAILURES:
         return "memory"

@@ -15,7 +15,7 @@ from tuner import engines
 from tuner.errors import TunerError
 from tuner.models import presets
 from tuner.search import space
-from tuner.results.report import MAXIMIZE, OBJECTIVES
+from tuner.results.report import MAXIMIZE, OBJECTIVES, measured_feasible
 
 PREFERENCES = ("balanced", "throughput", "single-stream", "ttft")
 _BY = {"throughput": "throughput_tok_s", "single-stream": "single_stream_tok_s", "ttft": "ttft_ms"}
@@ -211,8 +211,7 @@ def one_trial(df: pd.DataFrame, number: int, study_name: str) -> pd.DataFrame:
     if rows.empty:
         raise TunerError(f"study {study_name} has no trial {number} (`show` lists them)")
     row = rows.iloc[0]
-    if not (row.get("state") == "COMPLETE" and bool(row.get("feasible"))
-            and all(pd.notna(row.get(k)) for k in OBJECTIVES)):
+    if not measured_feasible(row):
         said = row.get("failure") or row.get("state")
         raise TunerError(f"trial {number} of study {study_name} has no feasible measurement "
                          f"({said}): export a measured config")
@@ -529,7 +528,8 @@ def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False, warning: s
     """best-command.sh: which choice wrote it and why, the figures with their spread, the notes
     as comments, the settings exported, then exec of the argv. `df` is the study's trials frame
     (report.trials_frame), read from `study` when not given: the noise and the front the choice
-    was made from. `asked`: export's other choosing options as given (" --trial 21")."""
+    was made from. `asked`: export's choosing options as given ("--trial 21"; default
+    "--prefer PREFER")."""
     from tuner.results import report
 
     e = exported(row, study, cfg, keep_dummy, warning)
@@ -543,8 +543,7 @@ def script(row: pd.Series, study, cfg=None, keep_dummy: bool = False, warning: s
     else:
         figures = f"trial {int(row['trial'])}"
     lines = ["#!/bin/sh", f"# tuner study {study.study_name}, {figures}",
-             f"# written by `python -m tuner export "
-             f"{asked.strip() if asked.startswith(' --trial') else f'--prefer {prefer}{asked}'}"
+             f"# written by `python -m tuner export {asked or f'--prefer {prefer}'}"
              f"{' --keep-dummy' if keep_dummy else ''}` (each export rewrites this file)"]
     if why:
         lines.append(f"# {why}")

@@ -132,6 +132,12 @@ def _misses_requirement(t, req) -> str:
     return ""
 
 
+def measured_feasible(row) -> bool:
+    """A trial row measured within every constraint (pareto_mask's test, one row at a time)."""
+    return (row.get("state") == "COMPLETE" and bool(row.get("feasible"))
+            and all(pd.notna(row.get(k)) for k in OBJECTIVES))
+
+
 def defaults_point(study) -> dict:
     """The searched flags' values of the defaults baseline (vLLM's defaults snapped into the
     space), {} when the study has none; export prefers it among configs that tie."""

@@ -724,15 +724,10 @@ class Tuner:
     def with_fixed(self, params: space.ServerParams) -> space.ServerParams:
         """`params` with what the launch's fixed flags set ([server] extra_args, the budget pins)
         where `params` leave it to the engine: the memory model reasons about what is launched."""
-        from dataclasses import replace
-
         from tuner.config import fixed_flag_values
 
-        fixed = fixed_flag_values(self.extra_args, self.cfg.source)
-        unset = {k: v for k, v in fixed.items()
-                 if k in space.ServerParams.__dataclass_fields__ and k != "extra"
-                 and params.value(k) is None}
-        return replace(params, **unset) if unset else params
+        return space.params_from({**fixed_flag_values(self.extra_args, self.cfg.source),
+                                  **params.values()})
 
     def roofline(self, outcome: TrialOutcome) -> dict:
         return offload_figures(self.cfg, self.platform, self.model_shape, outcome)
