@@ -40,3 +40,14 @@ def capacity_shortfall(kv_cache_tokens: int | None, req: Requirement) -> float:
     if not req.sequences_at_context or held is None or held >= req.sequences_at_context:
         return 0.0
     return max(0.01, 1 - kv_cache_tokens / (req.sequences_at_context * req.context_tokens))
+
+
+def predicted_shortfall(prediction, req: Requirement, calibrated: bool) -> tuple[float, int]:
+    """How far a config that the memory model says starts would still miss the required sequences
+    at context (> 0, else 0), judged at the most KV cache its uncertainty band allows; and that
+    most, in tokens. Nothing is held against a config before the model is calibrated by a launch."""
+    if (not req.sequences_at_context or not req.context_tokens or prediction is None
+            or not calibrated or not prediction.fits or prediction.kv_bytes_per_token <= 0):
+        return 0.0, 0
+    most = int(prediction.kv_cache_tokens + prediction.band_gib * 2**30 / prediction.kv_bytes_per_token)
+    return capacity_shortfall(most, req), most

@@ -604,6 +604,19 @@ class Tuner:
                         launch_params, prediction))
                 study.tell(trial, penalty_values(self.cfg, study))
                 return "predicted_infeasible"
+            short, most = requirement.predicted_shortfall(prediction, self.cfg.requirement,
+                                                          self.memory_model.calibrated)
+            if short > 0:
+                # it would start, but its KV cache cannot hold the sequences the user needs
+                for key, value in common.items():
+                    trial.set_user_attr(key, value)
+                trial.set_user_attr("failure", "predicted_infeasible")
+                trial.set_user_attr("failure_message", "predicted: " + requirement.capacity_message(
+                    most, self.cfg.requirement).replace("holds", "holds at most", 1))
+                for key in CONSTRAINTS:   # one write per key (Optuna keeps the first)
+                    trial.set_constraint(key, short if key == "requirement" else 0.0)
+                study.tell(trial, penalty_values(self.cfg, study))
+                return "predicted_infeasible"
         # a baseline is measured whatever the screen says: it is the reference a user compares with
         screened = None if trial.user_attrs.get("baseline") else self.screen(study, params)
         if screened is not None:
