@@ -408,6 +408,8 @@ def print_summary(study, cfg) -> None:
     print(f"study {cfg.name}: {len(df)} trials ({', '.join(f'{k} {v}' for k, v in counts.items())})",
           file=sys.stderr)
     print(report.describe_noise(df.attrs.get("noise")), file=sys.stderr)
+    if machines := report.describe_machines(df):
+        print(machines, file=sys.stderr)
     for line in contexts.headline(contexts.context_frame(df)):
         print(line, file=sys.stderr)
     if len(front):
@@ -458,6 +460,8 @@ def cmd_show(args) -> int:
     print(report.all_columns_text(df) if args.all_columns else report.table(df))
     front = df[df["pareto"]]
     print(f"\n{report.describe_noise(df.attrs.get('noise'))}")
+    if machines := report.describe_machines(df):
+        print(machines)
     if launch := report.describe_launch(df):
         print(launch)
     if lines := contexts.describe(contexts.context_frame(df)):

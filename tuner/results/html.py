@@ -317,6 +317,8 @@ def describe_workload(w: dict) -> str:
 def noise_section(df: pd.DataFrame) -> str:
     noise = df.attrs.get("noise") or {}
     body = para(report.describe_noise(noise))
+    if machines := report.describe_machines(df):
+        body += para(machines)
     if noise:
         rows = pd.DataFrame([{"objective": k, "cv_pct": v["cv"] * 100, "dof": v["dof"],
                               "configs": v["configs"]} for k, v in noise.items()])

@@ -687,6 +687,36 @@ def describe_noise(noise: dict | None) -> str:
     return line
 
 
+def describe_machines(df: pd.DataFrame) -> str:
+    """One line when the launches ran on more than one machine ("" otherwise): the noise comes from
+    relaunches, mostly on one machine, and does not cover what another host changes (the 32B study
+    read 3.8 and 2.5 tok/s for one offload config on two H100 hosts)."""
+    if "machine" not in df.columns:
+        return ""
+    launched = df[df["machine"].notna() & (df["machine"] != "")]
+    if launched["machine"].nunique() < 2:
+        return ""
+    spans = []
+    for machine, rows in launched.groupby("machine", sort=False):
+        trials = sorted(int(t) for t in rows["trial"])
+        spans.append(f"{machine} (trial{'s' if len(trials) > 1 else ''} {_ranges(trials)})")
+    return (f"machines: launches ran on {launched['machine'].nunique()}: " + ", ".join(spans)
+            + ". The launch-to-launch noise does not cover a change of machine: compare configs "
+              "measured on one, or relaunch them on one (`run --confirm 1`, `measure`)")
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[1, 2, 3, 7, 9, 10] -> "1-3, 7, 9-10"."""
+    out, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            out.append(f"{start}" if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
+
+
 LAUNCH_PHASE_COLUMNS = ("launch_engine_start_s", "launch_weights_s", "launch_compile_s", "launch_profile_s",
                         "launch_graphs_s", "launch_warmup_s", "launch_other_s")
 

@@ -650,3 +650,16 @@ def flag_value(argv, flag: str) -> str | None:
         elif arg.startswith(flag + "="):
             value = arg.split("=", 1)[1]
     return value
+
+
+def machine_id() -> str:
+    """Which machine a launch ran on, as trials record it: the kernel's boot id (shared by the
+    containers of one host; a new one after a reboot), else the host name. A study resumed on
+    another machine measures there; figures from two machines compare only as far as the machines do."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip().split("-")[0]
+    except OSError:
+        import socket
+
+        return socket.gethostname()

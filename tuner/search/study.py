@@ -583,7 +583,10 @@ class Tuner:
                 trial.set_constraint(key, value)
             study.tell(trial, penalty_values(self.cfg, study))
             return "predicted_infeasible"
+        from tuner.run import devices
+
         common = {"platform": self.platform.kind, "gpu_name": self.platform.device_name,
+                  "machine": devices.machine_id(),
                   "gpu_memory_total_gib": round(self.platform.memory_total_bytes / 2**30, 2),
                   "vllm_version": self.platform.vllm_version, "model": self.model}
         if self.scale is not None:
