@@ -690,6 +690,12 @@ def test_launch_seconds_is_the_median_of_measured_launches_and_skips_unlaunched_
     # only failed launches so far: they are the guess; skips alone give none
     assert launch_seconds([_finished(3, 20, "kv_cache_too_small"), _finished(5, 40, "oom")]) == 30
     assert launch_seconds([_finished(4, 0.1, "predicted_infeasible")]) is None
+    # a study resumed on another machine: that machine's launches decide once it has any
+    slow = _finished(6, 318)
+    slow.user_attrs = {"machine": "slowhost"}
+    assert launch_seconds([*trials, slow]) == 250       # 100, 200, 300, 318
+    assert launch_seconds([*trials, slow], "slowhost") == 318
+    assert launch_seconds([*trials, slow], "fresh") == 250   # none there yet: the whole study's
 
 
 class SlowDevice(FakeDevice):

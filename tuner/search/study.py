@@ -924,7 +924,10 @@ class Tuner:
         if self.stop_by is None:
             return False
         left = self.stop_by - time.monotonic()
-        typical = launch_seconds(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        from tuner.run import devices
+
+        typical = launch_seconds(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)),
+                                 devices.machine_id())
         if left > (typical or 0.0):
             return False
         if not self.said_out_of_time:
@@ -1030,9 +1033,11 @@ def names_a_searched_value(t: FrozenTrial) -> bool:
     return False
 
 
-def launch_seconds(trials: list[FrozenTrial]) -> float | None:
+def launch_seconds(trials: list[FrozenTrial], machine: str | None = None) -> float | None:
     """The median wall time of the trials that launched a server, from ask to tell (launch, load
-    test, stop): those measured when there are any, else the failed launches. None before any."""
+    test, stop): those measured when there are any, else the failed launches. None before any.
+    With `machine`, only the launches that ran on it when there are any: a study resumed on a
+    slower host takes that host's time (a 32B trial took 5.3 minutes there against a median of 3.3)."""
     def seconds(t: FrozenTrial) -> float | None:
         if t.datetime_start is None or t.datetime_complete is None:
             return None
@@ -1040,6 +1045,8 @@ def launch_seconds(trials: list[FrozenTrial]) -> float | None:
 
     launched = [t for t in trials if t.state == TrialState.COMPLETE
                 and t.user_attrs.get("failure") not in SKIPPED_KINDS]
+    here = [t for t in launched if machine is not None and t.user_attrs.get("machine") == machine]
+    launched = here or launched
     measured = [t for t in launched if not t.user_attrs.get("failure")]
     times = [s for t in (measured or launched) if (s := seconds(t)) is not None]
     if not times:
