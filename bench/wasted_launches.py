@@ -10,6 +10,8 @@ among them: skipped configs that the table says started.
     .venv/bin/python bench/wasted_launches.py                  # GP and TPE, 12 launches per run
     .venv/bin/python bench/wasted_launches.py --samplers tpe random --seeds 10 --launches 15
     .venv/bin/python bench/wasted_launches.py --gmu 0.03 0.05 --launches 8   # a memory-bound space
+    .venv/bin/python bench/wasted_launches.py --table bench/data/grid-kv-cpu.csv \
+        --study bench/grid-kv.toml --requirement 4096 4      # a context the user needs, 4 at once
 
 --gmu narrows the searched gpu-memory-utilization to those grid levels (a study file written next
 to the replay's storage), so most of the space fails for memory: 0.03 and 0.05 hold 12 failures in
@@ -47,7 +49,23 @@ def main(argv=None) -> int:
     ap.add_argument("--gmu", nargs="+", type=float,
                     help="search only these gpu-memory-utilization levels of the grid "
                          "(with the default study)")
+    ap.add_argument("--requirement", nargs=2, type=positive_int, metavar=("CONTEXT", "SEQUENCES"),
+                    help="add [requirement] context_tokens / sequences_at_context to the study: a "
+                         "launch whose recorded KV cache holds fewer such requests is wasted too")
     return refusing("wasted_launches", run, ap.parse_args(argv))
+
+
+def short_of(row: dict, requirement) -> bool:
+    """The recorded launch started but its KV cache holds fewer than the required requests."""
+    if not requirement or row["failure"]:
+        return False
+    context, sequences = requirement
+    tokens = row.get("kv_cache_tokens")
+    return tokens is not None and tokens == tokens and int(tokens) // context < sequences
+
+
+def wasted(row: dict, requirement) -> bool:
+    return row["failure"] in MEMORY_FAILURES or short_of(row, requirement)
 
 
 def run(args) -> int:
@@ -69,6 +87,17 @@ def run(args) -> int:
             line, f"gpu_memory_utilization = {{ choices = {levels} }}")
         study = Path(tempfile.mkdtemp(prefix="wasted-")) / "grid.toml"
         study.write_text(text)
+    if args.requirement:
+        context, sequences = args.requirement
+        text = Path(study).read_text() + (f"\n[requirement]\ncontext_tokens = {context}\n"
+                                          f"sequences_at_context = {sequences}\n")
+        study = Path(tempfile.mkdtemp(prefix="wasted-")) / "grid.toml"
+        study.write_text(text)
+        served = [r for r in table.rows.values() if r["max_model_len"] >= context]
+        short = sum(1 for r in served if short_of(r, args.requirement))
+        failed = sum(1 for r in served if r["failure"] in MEMORY_FAILURES)
+        print(f"requirement: {sequences} requests of {context} tokens at once; of the {len(served)} "
+              f"configs whose context serves it, {failed} fail for memory and {short} start but hold fewer")
     if args.table != "synthetic":
         check_covers(table, study, said_as=args.study)
     print(f"table: {describe_table(table)}")
@@ -78,23 +107,23 @@ def run(args) -> int:
           f"{args.seeds} seeds per sampler")
     for name in args.samplers:
         for memory_model in (False, True):
-            launched = wasted = skipped = false_skips = later = later_wasted = 0
+            launched = lost = skipped = false_skips = later = later_wasted = 0
             shares = []
             for seed in range(args.seeds):
                 run = replay(table, name, seed, memory_model, max_launches=args.launches,
                              stop_at_target=False, study_path=study)
-                w = sum(1 for k in run.launches if table.rows[k]["failure"] in MEMORY_FAILURES)
+                w = sum(1 for k in run.launches if wasted(table.rows[k], args.requirement))
                 launched += len(run.launches)
-                wasted += w
+                lost += w
                 later += max(len(run.launches) - 1, 0)
-                later_wasted += sum(1 for k in run.launches[1:]
-                                    if table.rows[k]["failure"] in MEMORY_FAILURES)
+                later_wasted += sum(1 for k in run.launches[1:] if wasted(table.rows[k], args.requirement))
                 shares.append(w / max(len(run.launches), 1))
                 skipped += len(run.skipped)
-                false_skips += sum(1 for k in run.skipped if not table.rows[k]["failure"])
-            share = wasted / max(launched, 1)
-            line = (f"{name:>6} model {'on ' if memory_model else 'off'}: {wasted}/{launched} launches "
-                    f"failed for memory ({share:.1%}; per seed median {statistics.median(shares):.0%}, "
+                false_skips += sum(1 for k in run.skipped
+                                   if not table.rows[k]["failure"] and not short_of(table.rows[k], args.requirement))
+            share = lost / max(launched, 1)
+            line = (f"{name:>6} model {'on ' if memory_model else 'off'}: {lost}/{launched} launches "
+                    f"failed for memory{' or held too few' if args.requirement else ''} ({share:.1%}; per seed median {statistics.median(shares):.0%}, "
                     f"max {max(shares):.0%}); after the first: {later_wasted}/{later} "
                     f"({later_wasted / max(later, 1):.1%})")
             if memory_model:

@@ -110,3 +110,22 @@ def test_a_table_with_levels_and_noise_replays_noisy_launches_and_the_screen_ski
     assert "predicted_dominated" in on.kinds
     assert on.dominated and all(k[2] < 16 for k in on.dominated)   # only configs with fewer slots
     assert not set(on.dominated) & set(on.launches)                # and those were not launched
+
+
+def test_wasted_launches_counts_a_capacity_short_of_the_requirement(capsys):
+    # the KV-bound CPU table: 4 requests of 4,096 tokens need 16,384 KV tokens; gmu 0.0305 and
+    # 0.031 hold 6,144 and 9,216 (they start), and fail at 16,384 tokens of context
+    import wasted_launches as wl
+
+    rows = {"max_model_len": 4096, "failure": "", "kv_cache_tokens": 9216.0}
+    assert wl.short_of(rows, (4096, 4)) and wl.wasted(rows, (4096, 4))
+    assert not wl.short_of({**rows, "kv_cache_tokens": 21376.0}, (4096, 4))
+    assert not wl.short_of(rows, None) and not wl.wasted(rows, None)
+    assert wl.wasted({**rows, "failure": "kv_cache_too_small", "kv_cache_tokens": None}, (4096, 4))
+    root = Path(__file__).resolve().parent.parent
+    assert wl.main(["--table", str(root / "bench/data/grid-kv-cpu.csv"), "--study", str(root / "bench/grid-kv.toml"),
+                    "--requirement", "4096", "4", "--samplers", "random", "--seeds", "1",
+                    "--launches", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "of the 24 configs whose context serves it, 6 fail for memory and 6 start but hold fewer" in out
+    assert "launches failed for memory or held too few" in out
