@@ -456,3 +456,23 @@ def test_measure_refuses_a_config_json_the_memory_model_cannot_read_as_run_does(
     assert p.returncode == 2, p.stderr
     assert "missing hidden_size" in p.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "LAUNCHED").exists()
+
+
+def test_a_python_without_the_dependencies_gets_one_line_and_exit_2(tmp_path):
+    # `python3 -m tuner show` with the system Python instead of .venv's: pandas is imported only
+    # once the command runs; it was a traceback
+    hide = ("import sys, importlib.abc\n"
+            "class Hide(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'pandas':\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Hide())\n"
+            "from tuner.cli import main\n"
+            "raise SystemExit(main(['show', '--storage', sys.argv[1]]))\n")
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", hide, f"sqlite:///{tmp_path}/none.db"], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has no pandas" in lines[0] and "bash install.sh" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr

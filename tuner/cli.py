@@ -326,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the top-level modules of pyproject.toml's dependencies: a Python without one gets a one-line answer
+REQUIRED_MODULES = {"optuna", "pandas", "aiohttp", "pynvml", "matplotlib", "numpy", "scipy",
+                    "tokenizers", "xllamacpp", "gguf"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -345,6 +350,13 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args) or 0
     except TunerError as e:
         print(f"tuner: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name not in REQUIRED_MODULES:
+            raise
+        print(f"tuner: error: {sys.executable} has no {e.name} (a dependency of the tuner): run "
+              "`bash install.sh` and use .venv/bin/python, or `pip install -e .` into this Python",
+              file=sys.stderr)
         return 2
     except BrokenPipeError:
         try:   # is it stdout whose reader left? (a write there fails again; the failed one was dropped)
