@@ -893,3 +893,6 @@ def test_each_launch_records_its_machine_and_a_study_spread_over_machines_says_s
     assert line.startswith("machines: launches ran on 2: ")
     assert f"{devices.machine_id()} (trial" in line and "another (trials 2-3)" in line, line
     assert report._ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and report._ranges([4]) == "4"
+    # a config screened there without a launch is no launch on that machine
+    df.loc[df["trial"].isin([2, 3]), "launch_s"] = pd.NA
+    assert report.describe_machines(df) == ""

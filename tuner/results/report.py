@@ -694,6 +694,8 @@ def describe_machines(df: pd.DataFrame) -> str:
     if "machine" not in df.columns:
         return ""
     launched = df[df["machine"].notna() & (df["machine"] != "")]
+    if "launch_s" in df.columns:   # a config screened without a launch records its machine too
+        launched = launched[launched["launch_s"].notna()]
     if launched["machine"].nunique() < 2:
         return ""
     spans = []
