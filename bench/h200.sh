@@ -8,6 +8,7 @@
 #   bash bench/h200.sh STUDY SECONDS TRIALS     e.g. bash bench/h200.sh h200-full 520 10
 # SPY_S=N: for the first N seconds, sample vLLM's engine-core stacks every 2 s with py-spy (its
 # wheel carried in .whl/) into $OUT/engine-stacks.txt: where a launch spends its silent seconds.
+# Name .whl in that call's `carry`: each call sends only what it carries (without it, no stacks).
 set -u
 study=$1 seconds=$2 trials=$3
 . /tmp/vllm-env.sh
