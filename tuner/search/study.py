@@ -189,6 +189,9 @@ class Tuner:
         self.scale = memory_scale(cfg, self.platform)
         self.pins = budget_pins(cfg, self.platform)
         self.extra_args = (*self.extra_args, *self.pins)
+        from tuner.run import devices
+
+        self.machine = devices.machine_id()   # where this process launches (trials record it)
         check_results_dir(cfg)
         self.memory_model = self._memory_model()
         self.model_shape = self._model_shape()
@@ -467,6 +470,21 @@ class Tuner:
 
     # -- one trial
 
+    def tell_infeasible(self, study: optuna.Study, trial: optuna.Trial, constraints: dict,
+                        message: str | None = None, attrs: dict | None = None) -> str:
+        """Record a config that is not launched because it cannot serve: `attrs`, the failure and
+        `message`, its constraints (one write per key: Optuna keeps the first value a trial's
+        constraint was given), and the study's penalty values as its objectives."""
+        for key, value in (attrs or {}).items():
+            trial.set_user_attr(key, value)
+        trial.set_user_attr("failure", "predicted_infeasible")
+        if message is not None:
+            trial.set_user_attr("failure_message", message)
+        for key, value in constraints.items():
+            trial.set_constraint(key, value)
+        study.tell(trial, penalty_values(self.cfg, study))
+        return "predicted_infeasible"
+
     def tell_duplicate(self, study: optuna.Study, trial: optuna.Trial, same: FrozenTrial) -> str:
         trial.set_user_attr("failure", "duplicate")
         trial.set_user_attr("duplicate_of", same.number)
@@ -555,38 +573,23 @@ class Tuner:
         if below > 0:
             # cannot serve the context the user needs: no launch, a constraint (a baseline or a
             # stored trial from before the requirement; the space itself starts at the requirement)
-            trial.set_user_attr("failure", "predicted_infeasible")
-            trial.set_user_attr("failure_message", requirement.context_message(
-                context_name, longest, self.cfg.requirement))
-            # one write per key: Optuna keeps the first value a trial's constraint was given
-            for key in CONSTRAINTS:
-                trial.set_constraint(key, below if key == "requirement" else 0.0)
-            study.tell(trial, penalty_values(self.cfg, study))
-            return "predicted_infeasible"
+            return self.tell_infeasible(study, trial, violated("requirement", below),
+                                        requirement.context_message(context_name, longest,
+                                                                    self.cfg.requirement))
         too_short = plan.context_too_short(w, longest)
         if too_short is not None:
             # more of a level's requests would be refused for length than a load test tolerates
-            trial.set_user_attr("failure", "predicted_infeasible")
-            trial.set_user_attr("failure_message", f"{context_name} {longest} < {too_short[1]}")
             short = max(0.01, plan.longest_request(w) / max(longest, 1) - 1)
-            for key in CONSTRAINTS:   # one write per key (Optuna keeps the first)
-                trial.set_constraint(key, short if key == "load_test" else 0.0)
-            study.tell(trial, penalty_values(self.cfg, study))
-            return "predicted_infeasible"
+            return self.tell_infeasible(study, trial, violated("load_test", short),
+                                        f"{context_name} {longest} < {too_short[1]}")
         failed = self.known_infeasible(study, params)
         if failed is not None:
             # no launch: a config with more memory and a shorter context already failed
-            trial.set_user_attr("failure", "predicted_infeasible")
-            trial.set_user_attr("failure_message", f"trial {failed.number} "
-                                f"({failed.user_attrs['failure']}) had more memory and a shorter context")
-            for key, value in failed.constraints.items():
-                trial.set_constraint(key, value)
-            study.tell(trial, penalty_values(self.cfg, study))
-            return "predicted_infeasible"
-        from tuner.run import devices
-
+            return self.tell_infeasible(study, trial, failed.constraints, f"trial {failed.number} "
+                                        f"({failed.user_attrs['failure']}) had more memory and a "
+                                        "shorter context")
         common = {"platform": self.platform.kind, "gpu_name": self.platform.device_name,
-                  "machine": devices.machine_id(),
+                  "machine": self.machine,
                   "gpu_memory_total_gib": round(self.platform.memory_total_bytes / 2**30, 2),
                   "vllm_version": self.platform.vllm_version, "model": self.model}
         if self.scale is not None:
@@ -599,27 +602,16 @@ class Tuner:
         if prediction is not None:
             common.update({f"predicted_{k}": v for k, v in flat_attrs("", prediction).items()})
             if not prediction.fits and not prediction.uncertain:
-                for key, value in common.items():
-                    trial.set_user_attr(key, value)
-                trial.set_user_attr("failure", "predicted_infeasible")
-                for key in CONSTRAINTS:
-                    trial.set_constraint(key, 0.0 if key != "memory" else predicted_grade(
-                        launch_params, prediction))
-                study.tell(trial, penalty_values(self.cfg, study))
-                return "predicted_infeasible"
+                return self.tell_infeasible(study, trial, violated(
+                    "memory", predicted_grade(launch_params, prediction)), attrs=common)
             short, most = requirement.predicted_shortfall(prediction, self.cfg.requirement,
                                                           self.memory_model.calibrated)
             if short > 0:
                 # it would start, but its KV cache cannot hold the sequences the user needs
-                for key, value in common.items():
-                    trial.set_user_attr(key, value)
-                trial.set_user_attr("failure", "predicted_infeasible")
-                trial.set_user_attr("failure_message", "predicted: " + requirement.capacity_message(
-                    most, self.cfg.requirement).replace("holds", "holds at most", 1))
-                for key in CONSTRAINTS:   # one write per key (Optuna keeps the first)
-                    trial.set_constraint(key, short if key == "requirement" else 0.0)
-                study.tell(trial, penalty_values(self.cfg, study))
-                return "predicted_infeasible"
+                return self.tell_infeasible(study, trial, violated("requirement", short),
+                                            "predicted: " + requirement.capacity_message(
+                                                most, self.cfg.requirement).replace(
+                                                "holds", "holds at most", 1), attrs=common)
         # a baseline is measured whatever the screen says: it is the reference a user compares with
         screened = None if trial.user_attrs.get("baseline") else self.screen(study, params)
         if screened is not None:
@@ -924,10 +916,8 @@ class Tuner:
         if self.stop_by is None:
             return False
         left = self.stop_by - time.monotonic()
-        from tuner.run import devices
-
         typical = launch_seconds(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)),
-                                 devices.machine_id())
+                                 self.machine)
         if left > (typical or 0.0):
             return False
         if not self.said_out_of_time:
@@ -1031,6 +1021,11 @@ def names_a_searched_value(t: FrozenTrial) -> bool:
                 rf"(?<![\w-]){re.escape(value)}(?![\w-])", message, re.I):
             return True
     return False
+
+
+def violated(key: str, value: float) -> dict[str, float]:
+    """Constraint values with one constraint broken by `value` and the others met."""
+    return {k: value if k == key else 0.0 for k in CONSTRAINTS}
 
 
 def launch_seconds(trials: list[FrozenTrial], machine: str | None = None) -> float | None:
