@@ -33,7 +33,9 @@ import tempfile  # noqa: E402
 from search_efficiency import (SAMPLERS, STUDY, TABLE, GridTable, TableError,  # noqa: E402
                                check_covers, checked_table, describe_table, refusing, replay)
 from tuner.cli import positive_int  # noqa: E402
+from tuner.records import Requirement  # noqa: E402
 from tuner.run.process import MEMORY_FAILURES  # noqa: E402
+from tuner.search.requirement import capacity_shortfall  # noqa: E402
 
 TARGET_SHARE = 0.10
 
@@ -56,12 +58,13 @@ def main(argv=None) -> int:
 
 
 def short_of(row: dict, requirement) -> bool:
-    """The recorded launch started but its KV cache holds fewer than the required requests."""
+    """The recorded launch started but its KV cache holds fewer than the required requests (the
+    tuner's own test: requirement.capacity_shortfall)."""
     if not requirement or row["failure"]:
         return False
-    context, sequences = requirement
     tokens = row.get("kv_cache_tokens")
-    return tokens is not None and tokens == tokens and int(tokens) // context < sequences
+    return (tokens is not None and tokens == tokens
+            and capacity_shortfall(int(tokens), Requirement(*requirement)) > 0)
 
 
 def wasted(row: dict, requirement) -> bool:
