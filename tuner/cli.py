@@ -717,15 +717,21 @@ def doctor_workload_lines(cfg) -> list[str]:
             f"such configs are skipped without a launch"]
 
 
-def doctor_budget_lines(cfg, platform) -> list[str]:
-    """Under a memory budget, the flags each launch adds so that the engine picks what it would on
-    a card of the budget's size (search/study.py budget_pins)."""
+def _doctor_pins(cfg, platform) -> tuple[str, ...]:
+    """The flags a memory budget pins on every launch (search/study.py budget_pins); none when
+    the budget cannot be read, which doctor's budget line reports on its own."""
     from tuner.search.study import budget_pins
 
     try:
-        pins = budget_pins(cfg, platform)
+        return budget_pins(cfg, platform)
     except TunerError:
-        return []
+        return ()
+
+
+def doctor_budget_lines(cfg, platform) -> list[str]:
+    """Under a memory budget, the flags each launch adds so that the engine picks what it would on
+    a card of the budget's size (search/study.py budget_pins)."""
+    pins = _doctor_pins(cfg, platform)
     if not pins:
         return []
     from tuner.engines.vllm_defaults import batch_defaults
@@ -746,7 +752,7 @@ def doctor_fit_lines(cfg, platform, model: str | None, extra_args=()) -> list[st
     from tuner.search import space
     from tuner.search import feasibility
     from tuner.search.feasibility import kv_dtype_bytes
-    from tuner.search.study import budget_pins, memory_scale
+    from tuner.search.study import memory_scale
 
     if not model or not os.path.isdir(model):
         return []
@@ -765,10 +771,7 @@ def doctor_fit_lines(cfg, platform, model: str | None, extra_args=()) -> list[st
     def top(name, smallest=False):
         d = dims.get(name)
         return None if d is None else d.extreme(smallest)
-    try:
-        pins = budget_pins(cfg, platform)
-    except TunerError:
-        pins = ()
+    pins = _doctor_pins(cfg, platform)
     values = {k: v for k, v in fixed_flag_values((*cfg.extra_args, *pins), cfg.source).items()}
     for name, smallest in (("gpu_memory_utilization", False), ("cpu_offload_gb", False),
                            ("max_num_seqs", True), ("max_num_batched_tokens", True)):

@@ -15,6 +15,7 @@ import pandas as pd
 from tuner import engines
 from tuner.records import MEMORY_FAILURES
 from tuner.results.report import measured_feasible
+from tuner.search.requirement import sequences_at_context
 
 # the best config of a context per objective, and which way is better
 BEST = (("single_stream_tok_s", max, "single_stream_trial"), ("throughput_tok_s", max, "throughput_trial"),
@@ -74,7 +75,7 @@ def context_frame(df: pd.DataFrame) -> pd.DataFrame:
         kv = [float(r["kv_cache_tokens"]) for r in served
               if pd.notna(r.get("kv_cache_tokens", float("nan")))]
         entry["kv_cache_tokens"] = int(max(kv)) if kv else None
-        entry["requests_at_context"] = int(max(kv) // context) if kv else None
+        entry["requests_at_context"] = sequences_at_context(int(max(kv)), context) if kv else None
         for key, better, trial in BEST:
             if served:
                 best = better(served, key=lambda r, k=key: float(r[k]))
