@@ -234,3 +234,51 @@ def test_the_tuner_skips_what_the_calibrated_model_says_holds_too_few_sequences(
         assert t.constraints["requirement"] > 0 and t.constraints["memory"] == 0.0
         assert t.user_attrs["predicted_fits"] and t.user_attrs["predicted_kv_cache_tokens"] < 300 * 4096
         assert t.user_attrs["failure_message"].startswith("predicted: the KV cache holds at most ")
+
+
+def test_when_no_baseline_is_feasible_the_first_feasible_config_is_replicated_for_the_noise(tmp_path):
+    # vLLM's defaults (32k) fail for memory and the hand-tuned 4k misses the 16k requirement, as in
+    # the 24 GB study on the GPU: the study's first feasible config is relaunched instead, so the
+    # noise is measured before the front is drawn
+    from fakes import FAKE_PLATFORM, FakeDevice
+    from tuner.search.study import Tuner
+
+    doc = {**BASE, "study": {"name": "rep", "sampler": "random", "seed": 1, "memory_model": False,
+                             "replicates": 2},
+           "requirement": {"context_tokens": 16384}}
+    cfg = parse_study(doc, "t.toml", {"storage": f"sqlite:///{tmp_path}/r.db",
+                                      "results_dir": str(tmp_path / "results")})
+    device = FakeDevice(tokens_per_gmu=4000, noise=0.05)   # 30,000 KV tokens at gmu 0.9
+    study = Tuner(cfg, measure=device, platform=FAKE_PLATFORM, progress=False).run(4)
+    baselines = [t for t in study.trials if t.user_attrs.get("baseline")]
+    assert {t.user_attrs["failure"] for t in baselines} == {"kv_cache_too_small", "predicted_infeasible"}
+    first = next(t for t in study.trials if t.state.name == "COMPLETE" and not t.user_attrs.get("failure"))
+    runs = study.user_attrs.get(f"runs:{first.number}", [])
+    assert [r["kind"] for r in runs] == ["replicate", "replicate"]
+    config = (first.params["gpu_memory_utilization"], first.params["max_model_len"],
+              first.params["max_num_seqs"])
+    assert [(p.gpu_memory_utilization, p.max_model_len, p.max_num_seqs)
+            for p in device.launches].count(config) == 3      # its own launch and 2 replicates
+    others = [t for t in study.trials if t.number != first.number]
+    assert not any(study.user_attrs.get(f"runs:{t.number}") for t in others)
+
+
+def test_replicated_trials_wait_for_the_baselines_and_prefer_a_feasible_one():
+    from types import SimpleNamespace
+
+    from optuna.trial import TrialState
+
+    from tuner.search.study import replicated_trials
+
+    def trial(n, state=TrialState.COMPLETE, failure="", baseline=None):
+        attrs = {"failure": failure} if failure else {}
+        if baseline:
+            attrs["baseline"] = baseline
+        return SimpleNamespace(number=n, state=state, user_attrs=attrs, constraints={})
+
+    failed = trial(0, failure="oom", baseline="vllm-defaults")
+    assert replicated_trials([failed, trial(1, TrialState.WAITING, baseline="hand-tuned"), trial(2)]) == []
+    assert replicated_trials([failed, trial(1, failure="requirement_not_met", baseline="hand-tuned"),
+                              trial(2, failure="oom"), trial(3), trial(4)]) == [3]
+    assert replicated_trials([failed, trial(1, baseline="hand-tuned"), trial(2)]) == [1]
+    assert replicated_trials([failed]) == []

@@ -868,12 +868,14 @@ class Tuner:
 
     def replicate_baselines(self, study: optuna.Study) -> None:
         """Launch each measured baseline `replicates` more times: the launch-to-launch noise that
-        decides ties on the front. Done as soon as a baseline is measured, and again on resume."""
+        decides ties on the front. Done as soon as a baseline is measured, and again on resume.
+        When every baseline has ended and none measured a feasible config (a baseline that fails
+        for memory or misses the requirement), the study's first feasible config stands in for
+        them, so that a memory-bound study still learns its noise before the front is drawn."""
         if not self.cfg.replicates:
             return
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if t.user_attrs.get("baseline") and is_feasible(t):
-                self.relaunch(study, t.number, "replicate", self.cfg.replicates)
+        for number in replicated_trials(study.get_trials(deepcopy=False)):
+            self.relaunch(study, number, "replicate", self.cfg.replicates)
 
     def relaunch(self, study: optuna.Study, number: int, kind: str, count: int) -> list[dict]:
         """Launch trial `number`'s config again until it has `count` runs of `kind`, each stored in
@@ -1049,6 +1051,16 @@ def launch_seconds(trials: list[FrozenTrial], machine: str | None = None) -> flo
     times.sort()
     mid = len(times) // 2
     return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+
+
+def replicated_trials(trials: list[FrozenTrial]) -> list[int]:
+    """The trials whose configs are relaunched for the noise: every feasible baseline; when every
+    baseline has ended and none is feasible, the first feasible trial of the study instead."""
+    baselines = [t for t in trials if t.user_attrs.get("baseline")]
+    feasible = [t.number for t in baselines if is_feasible(t)]
+    if feasible or any(not t.state.is_finished() for t in baselines):
+        return feasible
+    return [t.number for t in trials if is_feasible(t)][:1]
 
 
 def baseline_attrs(attrs) -> dict:
