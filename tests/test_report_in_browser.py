@@ -17,7 +17,7 @@ from tuner.results import html, report
 ROOT = Path(__file__).resolve().parents[1]
 
 # (study file or "demo", storage copied from, name)
-STUDIES = {"h200-24gb-mix": ("studies/h200-24gb-mix.toml", "studies/h200-24gb-mix.db", None),
+STUDIES = {"h200-24gb-mix": ("studies/h200-24gb-mix.toml", "tests/data/studies/h200-24gb-mix-3-trials.db", None),
            "h200-steady-8b": ("studies/h200-steady-8b.toml", "studies/h200-steady-8b.db", None),
            "demo-seed2": ("demo", "results/front-stability/demo-seed2.db", "demo-seed2"),
            "demo-seed5": ("demo", "results/front-stability/demo-seed5.db", "demo-seed5")}

@@ -137,7 +137,7 @@ def test_counts_read_as_words_in_the_report_and_its_plots(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cfg, study = study_and_config(tmp_path, "h200-24gb-mix")
+    cfg, study = study_and_config(tmp_path, "h200-24gb-mix", "tests/data/studies/h200-24gb-mix-3-trials.db")
     df = report.trials_frame(study, cfg.tie_tolerance, cfg.requirement)
     fig = report.projections_figure(df, cfg.name)
     title = fig._suptitle.get_text()
