@@ -14,6 +14,8 @@ from tuner import engines
 from tuner.results import contexts
 
 ROOT = Path(__file__).resolve().parents[1]
+# the 32B study as of its 33rd trial: the live storage in studies/ grows when the study resumes
+STUDY_32B = ROOT / "tests" / "data" / "studies" / "h200-16gb-32b-awq-33-trials.db"
 
 
 def trial(n, context, seqs, *, failure="", feasible=True, kv=None, figures=None, state="COMPLETE",
@@ -96,7 +98,7 @@ def test_llamacpp_context_is_per_slot():
 
 def test_the_32b_study_under_16_gb_answers_how_long_a_context_and_how_fast(tmp_path):
     """The committed GPU study: 16k served at offload 11 (trial 21), 32k failed for memory."""
-    shutil.copy(ROOT / "studies" / "h200-16gb-32b-awq.db", tmp_path / "s.db")
+    shutil.copy(STUDY_32B, tmp_path / "s.db")
     common = ["--study", "studies/h200-16gb-32b-awq.toml", "--storage", f"sqlite:///{tmp_path}/s.db"]
     show = subprocess.run([sys.executable, "-m", "tuner", "show", *common], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
@@ -116,7 +118,7 @@ def test_the_32b_study_under_16_gb_answers_how_long_a_context_and_how_fast(tmp_p
 def test_export_the_best_config_for_a_context_or_a_named_trial(tmp_path):
     """The committed 32B study's front is 2,048-token configs only; a user who needs 16k asks for
     the best that serves it, or for the trial `show` names."""
-    shutil.copy(ROOT / "studies" / "h200-16gb-32b-awq.db", tmp_path / "s.db")
+    shutil.copy(STUDY_32B, tmp_path / "s.db")
     common = ["--study", "studies/h200-16gb-32b-awq.toml", "--storage", f"sqlite:///{tmp_path}/s.db",
               "--results", str(tmp_path)]
 
