@@ -71,6 +71,13 @@ def wasted(row: dict, requirement) -> bool:
     return row["failure"] in MEMORY_FAILURES or short_of(row, requirement)
 
 
+def written_study(text: str) -> Path:
+    """The replay's own copy of a study file, changed by an option (beside the replay's storage)."""
+    study = Path(tempfile.mkdtemp(prefix="wasted-")) / "grid.toml"
+    study.write_text(text)
+    return study
+
+
 def run(args) -> int:
     if not Path(args.study).is_file():
         raise TableError(f"no study file at {args.study}")
@@ -88,14 +95,12 @@ def run(args) -> int:
         table = GridTable({k: r for k, r in table.rows.items() if k[0] in levels})
         text = Path(args.study).read_text().replace(
             line, f"gpu_memory_utilization = {{ choices = {levels} }}")
-        study = Path(tempfile.mkdtemp(prefix="wasted-")) / "grid.toml"
-        study.write_text(text)
+        study = written_study(text)
     if args.requirement:
         context, sequences = args.requirement
         text = Path(study).read_text() + (f"\n[requirement]\ncontext_tokens = {context}\n"
                                           f"sequences_at_context = {sequences}\n")
-        study = Path(tempfile.mkdtemp(prefix="wasted-")) / "grid.toml"
-        study.write_text(text)
+        study = written_study(text)
         served = [r for r in table.rows.values() if r["max_model_len"] >= context]
         short = sum(1 for r in served if short_of(r, args.requirement))
         failed = sum(1 for r in served if r["failure"] in MEMORY_FAILURES)
@@ -115,11 +120,12 @@ def run(args) -> int:
             for seed in range(args.seeds):
                 run = replay(table, name, seed, memory_model, max_launches=args.launches,
                              stop_at_target=False, study_path=study)
-                w = sum(1 for k in run.launches if wasted(table.rows[k], args.requirement))
+                flags = [wasted(table.rows[k], args.requirement) for k in run.launches]
+                w = sum(flags)
                 launched += len(run.launches)
                 lost += w
                 later += max(len(run.launches) - 1, 0)
-                later_wasted += sum(1 for k in run.launches[1:] if wasted(table.rows[k], args.requirement))
+                later_wasted += sum(flags[1:])
                 shares.append(w / max(len(run.launches), 1))
                 skipped += len(run.skipped)
                 false_skips += sum(1 for k in run.skipped
