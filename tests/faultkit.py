@@ -135,8 +135,20 @@ def leftovers(pgids, markers, exclude=()) -> list[tuple[int, str]]:
             continue
         line = _cmdline(int(entry))
         if st[2] in pgids or any(m and m in line for m in markers):
-            found.append((int(entry), line[:160]))
+            found.append((int(entry), _describe(st) + line[:160]))
     return found
+
+
+def _describe(st: list[str]) -> str:
+    """State, parent, group, session and age of a process (its /proc stat fields after comm), so a
+    leftover can be traced to what started it."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = f"{uptime - int(st[19]) / ticks:.1f}s"
+    except (OSError, ValueError, IndexError):
+        age = "?"
+    return f"[state {st[0]} ppid {st[1]} pgid {st[2]} sid {st[3]} age {age}] "
 
 
 # ---------------------------------------------------------------- the study in storage
@@ -364,7 +376,7 @@ def kill_chain(run: TunerRun, scenarios: list[tuple[str, str]], workdir: Path,
     after = completed(run.storage, run.name)
     pgids = recorded_pgids(run.storage, run.name)
     final = {"exit_code": code, "launched": launched(run.storage, run.name), "requested": run.trials,
-             "orphans": len(leftovers(pgids, [run.marker])),
+             "orphans": len(left := leftovers(pgids, [run.marker])), "orphan_lines": left,
              "lost_completed": sum(1 for n, v in before.items() if after.get(n) != v),
              "stderr_tail": _tail(stderr_path)}
     final["reached"] = final["launched"] >= run.trials

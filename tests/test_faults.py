@@ -248,7 +248,7 @@ def test_killed_tuner_resumes_with_nothing_orphaned_or_lost(tmp_path, model):
             # found it gone
             assert f.reaped_by_next_run, f
     assert final["exit_code"] == 0, final["stderr_tail"]
-    assert final["reached"] and final["orphans"] == 0 and final["lost_completed"] == 0
+    assert final["reached"] and final["orphans"] == 0 and final["lost_completed"] == 0, final
 
 
 # ---------------------------------------------------------------- real vLLM
@@ -286,7 +286,7 @@ def test_real_vllm_killed_tuner_and_killed_server(tmp_path, model):
         if f.scenario.startswith("SIGKILL"):
             assert f.reaped_by_next_run, f
     assert final["exit_code"] == 0, final["stderr_tail"]
-    assert final["reached"] and final["orphans"] == 0 and final["lost_completed"] == 0
+    assert final["reached"] and final["orphans"] == 0 and final["lost_completed"] == 0, final
     t = load_existing_by(run).trials[killed["trial"]]
     # the server killed mid-load is read from its log: no vLLM failure text, so "crashed" under load
     why = (f"killed pgid {killed['pgid']} (members then: {killed['members']}) of trial "
