@@ -817,6 +817,20 @@ def test_a_study_whose_every_launch_failed_says_why_it_has_no_front(tmp_path, ca
                                                          "been measured)")
 
 
+def test_describe_launch_gives_the_launches_a_warm_spare_served_apart():
+    # a run's first launch (no spare: it imported the engine itself) against the later ones
+    df = pd.DataFrame({"launch_s": [120.0, 50.0, 60.0, float("nan"), 100.0],
+                       "launch_preimport_s": [float("nan"), 12.0, 13.0, float("nan"), float("nan")],
+                       "launch_compile_s": [30.0, 28.0, 4.0, float("nan"), 29.0]})
+    line = report.describe_launch(df)
+    assert line.startswith("launch: median 80.0 s over the first launch of 4 trials (median phases: "
+                           "compile 28.5 s)")
+    assert line.endswith("; 55.0 s over the 2 launches after the first of their run")
+    # every launch the first of its run (one trial per `tuner run`), or none recorded: nothing to split
+    assert "after the first" not in report.describe_launch(df.assign(launch_preimport_s=float("nan")))
+    assert "after the first" not in report.describe_launch(df.drop(columns="launch_preimport_s"))
+
+
 def test_front_changed_counts_news_beyond_the_noise_only():
     df = pd.DataFrame({
         "trial": [0, 1, 2, 3], "state": ["COMPLETE"] * 4, "feasible": [True] * 4, "runs": [1] * 4,

@@ -755,7 +755,16 @@ def describe_launch(df: pd.DataFrame) -> str:
              if c in df.columns and not df[c].dropna().empty]
     line = (f"launch: median {df['launch_s'].median():.1f} s over the first launch of "
             f"{plural(int(df['launch_s'].count()), 'trial')}")
-    return line + (" (median phases: " + ", ".join(parts) + ")" if parts else "")
+    line += " (median phases: " + ", ".join(parts) + ")" if parts else ""
+    # a run's first launch imports the engine itself; the later ones find a warm spare that did
+    # (launch_preimport_s): what a long run's launches cost
+    if "launch_preimport_s" in df.columns:
+        launched = df[df["launch_s"].notna()]
+        warm = launched["launch_preimport_s"].notna()
+        if warm.any() and not warm.all():
+            line += (f"; {launched.loc[warm, 'launch_s'].median():.1f} s over the "
+                     f"{plural(int(warm.sum()), 'launch')} after the first of their run")
+    return line
 
 
 def describe_empty_front(df: pd.DataFrame) -> str:
