@@ -419,6 +419,31 @@ def test_stop_all_stops_every_live_server(tmp_path):
     assert all(group_members(s.pgid) == [] for s in servers)
 
 
+def test_ctrl_c_as_the_server_process_appears_still_stops_it(tmp_path, monkeypatch):
+    # Ctrl-C lands just after the server's process exists, before the tuner has registered it:
+    # the signal waits for the registration, so leaving the `with` block stops the server
+    started = []
+    real_popen = process.subprocess.Popen
+
+    def popen_then_ctrl_c(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)     # without the deferral, KeyboardInterrupt is raised here
+        return proc
+
+    monkeypatch.setattr(process.subprocess, "Popen", popen_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        with ServerProcess(fake_spec(tmp_path, "silent")) as server:
+            server.start()
+            pytest.fail("start() returned although Ctrl-C came during it")
+    (proc,) = started
+    assert group_members(proc.pid) == [] and not alive(proc.pid)
+    assert server not in process.live_servers()
+    # the handler is the one it was before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_reap_process_group_of_an_earlier_tuner(tmp_path):
     """A tuner killed with SIGKILL leaves its server running; the next one reaps it by pgid + marker."""
     server = ServerProcess(fake_spec(tmp_path, "stubborn", stop_timeout_s=1.0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import http.client
 import os
@@ -316,6 +317,30 @@ def stop_all() -> None:
     spare.discard()
 
 
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold Ctrl-C, SIGTERM and SIGHUP until the block ends, then deliver them to the handlers
+    they would have met, in the order they came. Main thread only (elsewhere a plain block).
+    Handlers, not the signal mask: a mask would be inherited by the processes the block starts."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in DEFERRED_SIGNALS}
+    for sig in DEFERRED_SIGNALS:
+        signal.signal(sig, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for signum in pending:
+            signal.raise_signal(signum)
+
+
 def install_signal_handlers() -> None:
     """SIGTERM and SIGHUP raise SystemExit in the main thread, so `with ServerProcess(...)` blocks
     unwind and stop their servers exactly as Ctrl-C (KeyboardInterrupt) does; `stop_all` runs at
@@ -485,19 +510,23 @@ class ServerProcess:
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.engine.env(), **dict(self.spec.env), "PYTHONUNBUFFERED": "1"}
         self.started_at = time.monotonic()
-        # a spare interpreter that already imported the engine's Python becomes the server
-        warm = spare.take(engine_cmd, env, self.argv, self.log_path)
-        if warm is not None:
-            self._proc, self.warm_imported_s = warm
-        else:
-            # the child writes the log file itself: the log is complete even if the tuner dies
-            self._log_file = open(self.log_path, "wb")
-            self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                          stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # Ctrl-C between the process existing and its registration would leave a server no stop
+        # reaches: the signal waits until it is registered, then stops it as anywhere else
+        with signals_deferred():
+            # a spare interpreter that already imported the engine's Python becomes the server
+            warm = spare.take(engine_cmd, env, self.argv, self.log_path)
+            if warm is not None:
+                self._proc, self.warm_imported_s = warm
+            else:
+                # the child writes the log file itself: the log is complete even if the tuner dies
+                self._log_file = open(self.log_path, "wb")
+                self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,
+                                              stdout=self._log_file, stderr=subprocess.STDOUT,
+                                              env=env, start_new_session=True)
+            self.pid = self.pgid = self._proc.pid
+            with _LIVE_LOCK:
+                _LIVE.add(self)
         self._log_reader = open(self.log_path, "rb")
-        self.pid = self.pgid = self._proc.pid
-        with _LIVE_LOCK:
-            _LIVE.add(self)
         # stops the server should this tuner be killed without a chance to (SIGKILL)
         self._watchdog = start_watchdog(self.pgid, min(self.spec.stop_timeout_s, WATCHDOG_GRACE_S))
         # and one for the launch after this one imports while this server starts
