@@ -11,7 +11,8 @@ trial's `server.log`, and prints one line per launch in launch order:
   its config hash, which holds max_model_len (ModelConfig.compute_hash), max_num_batched_tokens
   (SchedulerConfig) and the compilation config (CUDA-graph capture sizes, from max_num_seqs), and
   leaves gpu_memory_utilization out (CacheConfig);
-- launch_s and its phases.
+- launch_s and its phases, and the trial's failure if any (a launch that became ready and then
+  missed a requirement or the budget counts as a launch; one that failed to start does not).
 
 Then the medians: every launch, the launches after the first of each run (a spare served them),
 and those split by compile-cache hit or miss.
@@ -58,6 +59,8 @@ def launches(results: Path) -> list[dict]:
                 "study": results.name, "trial": int(row["trial"]), "launch_s": launch_s,
                 "config": f'{row["gpu_memory_utilization"]}/{row["max_model_len"]}/{row["max_num_seqs"]}',
                 "failure": row.get("failure") or "",
+                # ready_s is set once the server answered, whatever the trial's verdict after that
+                "ready": _float(row.get("ready_s")) is not None,
                 "spare": _float(row.get("launch_preimport_s")) is not None,
                 "cache": compile_cache(text),
                 **{p: _float(row.get(f"launch_{p}_s")) for p in PHASES}})
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
                  f'{r["launch_s"]:.1f}', *("-" if r[p] is None else f"{r[p]:.1f}" for p in PHASES),
                  r["failure"] or "-"]
         print(" ".join(f"{c:>12}" for c in cells))
-    ok = [r for r in rows if not r["failure"]]
+    ok = [r for r in rows if r["ready"]]
     later = [r for r in ok if r["spare"]]
     print()
     print(f"launches that became ready: {_median([r['launch_s'] for r in ok])}")
