@@ -90,6 +90,25 @@ def test_resume_reaches_the_requested_count_without_losing_trials(tmp_path):
     assert len(launched) == 7
 
 
+def test_a_resumed_seeded_study_proposes_new_configs_not_the_first_runs_again(tmp_path):
+    # with the first run's seed, the resumed random sampler drew the first run's configs again
+    # (6 duplicates in 13 proposals here): no launch each, but 20 in a row stop the run as if the
+    # space were exhausted. (TPE past its 5 random startup draws conditions on the history.)
+    sampler = "random"
+    cfg = fake_config(tmp_path, sampler=sampler, seed=3)
+    first = run(cfg, FakeDevice(), 7)
+    n_first = len(first.trials)
+    study = run(cfg, FakeDevice(), 14)
+    resumed = [t for t in study.trials if t.number >= n_first]
+    assert resumed and not [t.number for t in resumed if t.user_attrs.get("failure") == "duplicate"]
+    # and the resumed draws are still fixed by the seed: the same study resumed the same way
+    # proposes the same configs
+    other = fake_config(tmp_path / "again", sampler=sampler, seed=3)
+    run(other, FakeDevice(), 7)
+    again = run(other, FakeDevice(), 14)
+    assert [t.params for t in again.trials] == [t.params for t in study.trials]
+
+
 def test_a_resumed_study_refuses_another_load_and_tolerates_a_longer_timeout(tmp_path):
     from dataclasses import replace
 

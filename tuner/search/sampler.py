@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import optuna
 
 from tuner.config import StudyConfig
@@ -17,14 +18,19 @@ def gp_available() -> bool:
     return True
 
 
-def make_sampler(cfg: StudyConfig, name: str | None = None, worker: int = 0
-                 ) -> optuna.samplers.BaseSampler:
+def make_sampler(cfg: StudyConfig, name: str | None = None, worker: int = 0,
+                 trials_before: int = 0) -> optuna.samplers.BaseSampler:
     """The study's sampler; worker k of a shared study draws with seed + k, so workers do not
-    propose the same configs in the same order."""
+    propose the same configs in the same order. A study resumed with `trials_before` trials draws
+    from a seed of its own (still fixed by the study's seed and its history): with the first
+    run's seed, a seeded sampler would propose the first run's configs again, each one a duplicate,
+    until the run stopped on proposals that were all measured already."""
     name = name or cfg.sampler
     if name == "auto":
         name = "gp" if gp_available() else "tpe"
     seed = cfg.seed + worker if cfg.seed is not None else None
+    if seed is not None and trials_before:
+        seed = int(np.random.SeedSequence([cfg.seed, worker, trials_before]).generate_state(1)[0])
     if name == "gp":
         return optuna.samplers.GPSampler(seed=seed, n_startup_trials=5)
     if name == "tpe":

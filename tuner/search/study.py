@@ -233,6 +233,9 @@ class Tuner:
         study = optuna.create_study(study_name=self.cfg.name, storage=self.storage,
                                     directions=list(DIRECTIONS), load_if_exists=True,
                                     sampler=make_sampler(self.cfg, worker=self.worker or 0))
+        if (before := len(study.get_trials(deepcopy=False))) > 0:
+            # resumed: the seed's first draws were the first run's proposals
+            study.sampler = make_sampler(self.cfg, worker=self.worker or 0, trials_before=before)
         with self.lock():   # the first worker to get here queues the baselines, once
             if not study.user_attrs.get("config"):
                 # baselines first: the config marks them queued, and reading vLLM's defaults for
