@@ -129,3 +129,18 @@ def test_wasted_launches_counts_a_capacity_short_of_the_requirement(capsys):
     out = capsys.readouterr().out
     assert "of the 24 configs whose context serves it, 6 fail for memory and 6 start but hold fewer" in out
     assert "launches failed for memory or held too few" in out
+
+
+def test_launch_times_splits_the_h200_launch_study_by_spare_and_compile_cache(capsys):
+    import launch_times
+
+    repo = Path(__file__).resolve().parent.parent
+    rows = launch_times.launches(repo / "results" / "h200-launch")
+    # trials 0 and 14 began their runs (no spare); 7, 15 and 16 reused an earlier launch's compile
+    assert [r["trial"] for r in rows if not r["spare"]] == [0, 14]
+    assert [r["trial"] for r in rows if r["cache"] == "hit"] == [7, 15, 16]
+    assert launch_times.main([str(repo / "results" / "h200-launch")]) == 0
+    out = capsys.readouterr().out
+    assert "after the first (a spare served them): 45.0 s (18.6-51.6), n=9" in out
+    assert "compile cache hit: 22.0 s (18.6-34.1), n=3" in out
+    assert launch_times.main(["/nonexistent"]) == 2
