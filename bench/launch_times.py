@@ -26,7 +26,10 @@ import statistics
 import sys
 from pathlib import Path
 
-PHASES = ("engine_start", "weights", "compile", "profile", "graphs", "warmup", "other")
+from tuner.results.report import LAUNCH_PHASE_COLUMNS
+
+# the tuner's own phase columns (launch_compile_s ...), named as `show` names them (compile ...)
+PHASES = tuple(c[len("launch_"):-len("_s")] for c in LAUNCH_PHASE_COLUMNS)
 HIT = "Directly load the compiled graph"
 MISS = "Compiling a graph for compile range"
 
